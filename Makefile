@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`.  Each creates .venv and installs
+# what it needs; a stamp file keyed on pyproject.toml avoids reinstalling on every run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install test lint typecheck unit demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy indexer scorers epp
+
+unit: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+demo: install
+	@echo "make demo: not yet available (the simulator and demo land with the simulator issue)"
+
+bench: install
+	$(PY) -m benchmarks.indexer
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
