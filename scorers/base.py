@@ -1,0 +1,343 @@
+"""The plugin framework: what a request and an endpoint look like to a plugin, the one-method
+interfaces plugins implement, and the registry that maps YAML type names to plugin classes.
+
+Modelled on the Inference Extension's EPP framework: a plugin is a type name plus parameters; a
+scheduling profile runs filters, then weighted scorers, then a picker; a profile handler chooses
+profiles.  A scorer returns a score in [0, 1] per candidate, keyed by endpoint address; the
+profile clamps it, multiplies by the scorer's weight and sums.
+
+Plugins are pure with respect to I/O: they read the `Endpoint` views the datastore keeps current
+and the `LLMRequest` the parser built.  A plugin that needs CPU-heavy per-request work (tokenizing
+a prompt) implements `DataProducer.prepare`, which the scheduler awaits before filtering.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+class SchedulingError(Exception):
+    """Base class for scheduling failures; each maps to one HTTP status in the ext_proc reply."""
+
+    http_status: ClassVar[int] = 500
+
+
+class NoReadyEndpointsError(SchedulingError):
+    """No ready endpoint could serve the request (empty pool, empty subset hint)."""
+
+    http_status = 503
+
+
+class AllEndpointsFilteredError(SchedulingError):
+    """Filters removed every candidate, or the pool is saturated and the request is shed."""
+
+    http_status = 429
+
+
+class PluginConfigError(ValueError):
+    """A plugin's type or parameters are invalid; the message names the field path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What plugins see
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """The model server's own view of its state, scraped from its ``/metrics``."""
+
+    waiting_requests: int = 0
+    running_requests: int = 0
+    kv_cache_usage: float = 0.0  # fraction 0..1 (vLLM's kv_cache_usage_perc is a fraction too)
+    running_lora_adapters: frozenset[str] = frozenset()
+    waiting_lora_adapters: frozenset[str] = frozenset()
+    max_lora: int = 0
+    block_size: int | None = None  # from vllm:cache_config_info
+    num_gpu_blocks: int | None = None
+    updated_at: float | None = None  # clock time of the last good scrape; None = never scraped
+
+
+@dataclass(slots=True)
+class EndpointLoad:
+    """Load the EPP itself observes: requests it routed there that have not finished."""
+
+    in_flight_requests: int = 0
+    # Prompt tokens not served from cache, of requests routed there that have not produced their
+    # first token yet: the prefill work queued on that pod, in tokens (DESIGN.md: weigh work).
+    in_flight_prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """One routable target: a (pod, port) pair.  ``address`` ("ip:port") is its identity
+    everywhere: the destination header, the KV index, the metrics labels."""
+
+    address: str
+    name: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    load: EndpointLoad = field(default_factory=EndpointLoad)
+    metrics_stale: bool = False  # stale metrics count as saturated (see epp.datastore)
+
+    @property
+    def ip(self) -> str:
+        host, _, _ = self.address.rpartition(":")
+        return host.strip("[]")
+
+
+RequestKind = Literal["completions", "chat", "other"]
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    """One inference request as plugins see it, built by ``epp.requests`` from the HTTP body."""
+
+    request_id: str
+    model: str
+    kind: RequestKind = "completions"
+    path: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: Mapping[str, Any] = field(default_factory=dict)
+    prompt: str | list[int] | None = None  # /v1/completions
+    messages: list[dict[str, Any]] | None = None  # /v1/chat/completions
+    cache_salt: str | None = None
+    stream: bool = False
+    # Filled by data producers before filtering: the prompt as the model server will tokenize it.
+    prompt_token_ids: list[int] | None = None
+    # Per-request data shared between plugins (the Inference Extension's CycleState).
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def approx_prompt_chars(self) -> int:
+        """Length of the prompt text, for plugins that work on characters."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        if self.messages is not None:
+            return sum(len(str(m.get("content", ""))) for m in self.messages)
+        return 0
+
+
+@dataclass(slots=True, frozen=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float
+
+
+@dataclass(slots=True, frozen=True)
+class ProfileResult:
+    """What one scheduling profile chose: targets (primary first, then fallbacks) and the total
+    weighted score of every candidate that survived the filters."""
+
+    targets: tuple[Endpoint, ...]
+    scores: Mapping[str, float]
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulingResult:
+    primary_profile: str
+    profiles: Mapping[str, ProfileResult]
+
+    @property
+    def targets(self) -> tuple[Endpoint, ...]:
+        return self.profiles[self.primary_profile].targets
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Token usage reported by the model server in its response (OpenAI ``usage``)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class EndpointSource(Protocol):
+    """Read access to the current endpoints (implemented by ``epp.datastore.Datastore``)."""
+
+    def endpoints(self) -> list[Endpoint]: ...
+
+    def get(self, address: str) -> Endpoint | None: ...
+
+
+@dataclass(slots=True)
+class PluginContext:
+    """Services a plugin may use.  Tests and the routing benchmark build it with their own
+    endpoint source and clock, which is how plugins stay free of I/O."""
+
+    endpoints: EndpointSource
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    executor: Executor | None = None  # bounded pool for CPU-heavy prepare steps
+    # Named shared services (the tokenizer registry, ...) keyed by a well-known name.
+    services: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plugin interfaces: one method each.  A plugin class may implement several.
+
+
+class NoParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Plugin:
+    """Base class of every plugin.  Subclasses set ``type_name`` (via `register`) and, if they
+    take parameters, a pydantic ``Parameters`` model with documented defaults and ranges."""
+
+    type_name: ClassVar[str] = ""
+    Parameters: ClassVar[type[BaseModel]] = NoParameters
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        self.name = name
+        self.params = params
+        self.context = context
+
+
+@runtime_checkable
+class Filter(Protocol):
+    name: str
+
+    def filter(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    name: str
+
+    def pick(self, request: LLMRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]: ...
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    name: str
+
+    def pick_profiles(
+        self,
+        request: LLMRequest,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileResult],
+    ) -> list[str]:
+        """Profiles to run next (empty when done), given the results so far."""
+        ...
+
+    def process_results(
+        self, request: LLMRequest, results: Mapping[str, ProfileResult]
+    ) -> SchedulingResult: ...
+
+
+@runtime_checkable
+class DataProducer(Protocol):
+    """Computes per-request data before filtering (tokenization, prefix lookups)."""
+
+    name: str
+
+    async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None: ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    """Runs after a decision, before the request is forwarded (record routing history, ...)."""
+
+    name: str
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None: ...
+
+
+@runtime_checkable
+class ResponseComplete(Protocol):
+    """Runs when the response has been fully streamed back."""
+
+    name: str
+
+    def response_complete(
+        self, request: LLMRequest, endpoint: str, usage: Usage | None
+    ) -> None: ...
+
+
+@runtime_checkable
+class EndpointListener(Protocol):
+    """Told when endpoints come and go (to subscribe to their KV events, drop their state)."""
+
+    name: str
+
+    def endpoint_added(self, endpoint: Endpoint) -> None: ...
+
+    def endpoint_removed(self, endpoint: Endpoint) -> None: ...
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """Plugins with background work (ZMQ subscriptions) start and stop with the server."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+PluginT = TypeVar("PluginT", bound=type[Plugin])
+_REGISTRY: dict[str, type[Plugin]] = {}
+
+
+def register(type_name: str) -> Callable[[PluginT], PluginT]:
+    """Class decorator: make a plugin available under the type name users write in YAML."""
+
+    def decorate(cls: PluginT) -> PluginT:
+        if type_name in _REGISTRY and _REGISTRY[type_name] is not cls:
+            raise PluginConfigError(f"plugin type {type_name!r} is registered twice")
+        cls.type_name = type_name
+        _REGISTRY[type_name] = cls
+        return cls
+
+    return decorate
+
+
+def registered_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def plugin_class(type_name: str) -> type[Plugin]:
+    try:
+        return _REGISTRY[type_name]
+    except KeyError:
+        raise PluginConfigError(
+            f"unknown plugin type {type_name!r}; known types: {', '.join(registered_types())}"
+        ) from None
+
+
+def create_plugin(
+    type_name: str, name: str, parameters: Mapping[str, Any] | None, context: PluginContext
+) -> Plugin:
+    """Instantiate a registered plugin, validating its parameters.  Errors name the bad field
+    as ``parameters.<path>``; the config loader prefixes the plugin's position."""
+    cls = plugin_class(type_name)
+    try:
+        params = cls.Parameters.model_validate(dict(parameters or {}))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"parameters.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise PluginConfigError(f"plugin {name!r} ({type_name}): {problems}") from None
+    return cls(name, params, context)
