@@ -1,0 +1,171 @@
+"""The EPP's Prometheus metrics, served on ``--metrics-port`` (9090).
+
+Names follow the Inference Extension where the metric exists there (``inference_objective_*``,
+``inference_pool_*``, ``inference_extension_*``), so its dashboards and alerts work unchanged;
+metrics only this project has (the precise KV index, KV-event ingestion, hash self-check) use the
+``inference_extension_`` prefix with the same conventions.
+
+State that lives in other objects (the KV index, the subscriber, the datastore) is read at scrape
+time through `StatsSource` callbacks rather than pushed on every change, which keeps the request
+and event hot paths free of metric updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Decision latencies are sub-millisecond to tens of milliseconds.
+_LATENCY_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+_REQUEST_BUCKETS: Final = (
+    0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640,
+)  # fmt: skip
+_TOKEN_BUCKETS: Final = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 1048576)
+_RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(slots=True, frozen=True)
+class GaugeSample:
+    """One value read at scrape time: metric name (without namespace), help, labels, value."""
+
+    name: str
+    documentation: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+StatsSource = Callable[[], Iterable[GaugeSample]]
+
+
+class _SourceCollector(Collector):
+    def __init__(self, sources: list[StatsSource]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for source in self._sources:
+            for sample in source():
+                family = families.get(sample.name)
+                if family is None:
+                    family = GaugeMetricFamily(
+                        sample.name, sample.documentation, labels=[k for k, _ in sample.labels]
+                    )
+                    families[sample.name] = family
+                family.add_metric([v for _, v in sample.labels], sample.value)
+        return list(families.values())
+
+
+@dataclass
+class Telemetry:
+    """Every metric the EPP exports, in its own registry (tests create as many as they like)."""
+
+    pool_name: str = "default"
+    registry: CollectorRegistry = field(
+        default_factory=lambda: CollectorRegistry(auto_describe=True)
+    )
+    _sources: list[StatsSource] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "inference_objective_request_total",
+            "Requests the EPP handled, by requested and target model.",
+            ["model_name", "target_model_name"],
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "inference_objective_request_error_total",
+            "Requests that ended in an error response, by error code.",
+            ["model_name", "target_model_name", "error_code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "Time from the routing decision to the end of the response.",
+            ["model_name", "target_model_name"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_ttft = Histogram(
+            "inference_objective_request_ttft_seconds",
+            "Time from the routing decision to the first response body byte.",
+            ["model_name", "target_model_name"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            "inference_objective_input_tokens",
+            "Prompt tokens per request, as reported by the model server.",
+            ["model_name", "target_model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "inference_objective_output_tokens",
+            "Completion tokens per request, as reported by the model server.",
+            ["model_name", "target_model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prompt_cached_tokens = Histogram(
+            "inference_objective_prompt_cached_tokens",
+            "Prompt tokens served from the model server's prefix cache (usage.cached_tokens).",
+            ["model_name", "target_model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.running_requests = Gauge(
+            "inference_objective_running_requests",
+            "Requests routed by the EPP whose response has not finished.",
+            ["model_name"],
+            registry=r,
+        )
+        self.scheduler_e2e = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Whole scheduling decision: data producers (tokenize, hash), filters, scorers, picker.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.scheduler_attempts = Counter(
+            "inference_extension_scheduler_attempts_total",
+            "Scheduling attempts by outcome (success, failure).",
+            ["status"],
+            registry=r,
+        )
+        self.plugin_duration = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Time spent in each plugin, by extension point.",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision_prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Share of the request's full blocks cached on the chosen endpoint at decision time.",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.info = Gauge(
+            "inference_extension_info",
+            "Build information of the endpoint picker.",
+            ["commit", "build_ref"],
+            registry=r,
+        )
+        self.info.labels(commit="unknown", build_ref="kv-epp").set(1)
+        r.register(_SourceCollector(self._sources))
+
+    def add_source(self, source: StatsSource) -> None:
+        """Register a callback whose samples are exported at every scrape."""
+        self._sources.append(source)
+
+    def observe_plugin(
+        self, extension_point: str, plugin_type: str, plugin_name: str, seconds: float
+    ) -> None:
+        self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe(seconds)
