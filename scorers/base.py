@@ -88,6 +88,10 @@ class Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     load: EndpointLoad = field(default_factory=EndpointLoad)
     metrics_stale: bool = False  # stale metrics count as saturated (see epp.datastore)
+    # Where the pod publishes vLLM KV events (ZMQ PUB) and serves replay (ROUTER), when known
+    # from discovery; plugins that subscribe fall back to their own configured ports.
+    kv_events_url: str | None = None
+    replay_url: str | None = None
 
     @property
     def ip(self) -> str:
