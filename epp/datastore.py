@@ -1,0 +1,373 @@
+"""The datastore: every routable endpoint, its scraped metrics and the load the EPP put on it.
+
+Discovery (Kubernetes or static) feeds it `EndpointSpec`s; the scraper feeds it metrics; the
+request path records in-flight requests through `InFlightRequest` handles; plugins read
+`Endpoint` views through the `EndpointSource` protocol (`endpoints()`, `get()`).
+
+Everything here runs on the asyncio loop thread and is not thread-safe: discovery code that
+blocks in a worker thread posts its results to the loop (`loop.call_soon_threadsafe`).
+
+Staleness: an endpoint whose last good scrape is older than ``staleness_threshold`` (or that was
+never scraped) has ``metrics_stale = True``.  The Inference Extension's utilization detector
+treats metrics older than 200 ms as 100 % saturated (anchors §4.3); with the 50 ms scrape
+interval that is four missed scrapes in a row.  The flag is recomputed by `endpoints()` and
+`get()` with one clock read per call, so readers never see a flag older than their read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from scorers.base import Endpoint, EndpointListener, EndpointLoad, EndpointMetrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STALENESS_THRESHOLD = 0.2  # seconds; the utilization detector's "stale = saturated" bound
+DEFAULT_POOL_GAUGE_MAX_AGE = 2.0  # seconds; --metrics-staleness-threshold for pool gauges
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointSpec:
+    """What discovery knows about one endpoint (a pod × target port, or a static entry).
+
+    ``address`` is ``ip:port`` (IPv6 bracketed: ``[fd00::1]:8000``) and is the endpoint's
+    identity.  ``metrics_url`` defaults to ``http://<address>/metrics``.
+    """
+
+    address: str
+    name: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    metrics_url: str = ""
+    kv_events_url: str | None = None
+    replay_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.metrics_url:
+            object.__setattr__(self, "metrics_url", f"http://{self.address}/metrics")
+        if not self.name:
+            object.__setattr__(self, "name", self.address)
+
+    def same_urls(self, other: EndpointSpec) -> bool:
+        return (
+            self.metrics_url == other.metrics_url
+            and self.kv_events_url == other.kv_events_url
+            and self.replay_url == other.replay_url
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class PoolStats:
+    """Pool-level gauges (``inference_pool_*``).  Averages cover only endpoints whose metrics
+    are fresher than the ``max_age`` they were computed with; None when there are none."""
+
+    ready_endpoints: int
+    fresh_endpoints: int
+    average_kv_cache_usage: float | None
+    average_waiting_requests: float | None
+    in_flight_requests: int
+
+
+class InFlightRequest:
+    """One request the EPP routed to an endpoint, until its response ends.
+
+    Returned by `Datastore.request_started`.  `first_token` and `finish` are idempotent and
+    `finish` implies `first_token`, so whichever response path runs (normal end, error, client
+    disconnect, stream reset) can call both safely: counts can neither leak nor go negative.
+    The handle holds the endpoint's own `EndpointLoad`, so a request that outlives its endpoint
+    (pod deleted and re-created at the same address) never touches the new endpoint's counts.
+    """
+
+    __slots__ = ("_load", "_prefill_pending", "address", "finished", "prefill_tokens")
+
+    def __init__(self, address: str, load: EndpointLoad, prefill_tokens: int) -> None:
+        self.address = address
+        self.prefill_tokens = max(0, int(prefill_tokens))
+        self.finished = False
+        self._load = load
+        self._prefill_pending = True
+        load.in_flight_requests += 1
+        load.in_flight_prefill_tokens += self.prefill_tokens
+
+    @property
+    def prefill_pending(self) -> bool:
+        return self._prefill_pending
+
+    def first_token(self) -> None:
+        """The endpoint produced its first token: its prefill work for this request is done."""
+        if self._prefill_pending:
+            self._prefill_pending = False
+            load = self._load
+            load.in_flight_prefill_tokens = max(
+                0, load.in_flight_prefill_tokens - self.prefill_tokens
+            )
+
+    def finish(self) -> None:
+        """The response ended (in any way)."""
+        if self.finished:
+            return
+        self.first_token()
+        self.finished = True
+        self._load.in_flight_requests = max(0, self._load.in_flight_requests - 1)
+
+    def __enter__(self) -> InFlightRequest:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finish()
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else ("prefill" if self._prefill_pending else "decode")
+        return f"InFlightRequest({self.address!r}, prefill_tokens={self.prefill_tokens}, {state})"
+
+
+class Datastore:
+    """Endpoints keyed by address; implements `scorers.base.EndpointSource`."""
+
+    def __init__(
+        self,
+        *,
+        staleness_threshold: float | None = DEFAULT_STALENESS_THRESHOLD,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if staleness_threshold is not None and staleness_threshold <= 0:
+            raise ValueError(
+                f"staleness_threshold must be > 0 seconds (or None to disable), got {staleness_threshold}"
+            )
+        self.staleness_threshold = staleness_threshold
+        self.clock = clock
+        self._endpoints: dict[str, Endpoint] = {}
+        self._specs: dict[str, EndpointSpec] = {}
+        self._listeners: list[EndpointListener] = []
+        self._synced = False
+        self._synced_event = asyncio.Event()
+
+    # -- EndpointSource -------------------------------------------------------------------------
+
+    def endpoints(self) -> list[Endpoint]:
+        """Every ready endpoint (discovery only registers ready ones), staleness refreshed."""
+        eps = list(self._endpoints.values())
+        self._refresh_staleness(eps)
+        return eps
+
+    def get(self, address: str) -> Endpoint | None:
+        ep = self._endpoints.get(address)
+        if ep is not None:
+            self._refresh_staleness((ep,))
+        return ep
+
+    def spec(self, address: str) -> EndpointSpec | None:
+        """The discovery record of an endpoint (its metrics and KV-event URLs)."""
+        return self._specs.get(address)
+
+    def specs(self) -> list[EndpointSpec]:
+        return list(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._endpoints
+
+    # -- sync state (health readiness) ----------------------------------------------------------
+
+    @property
+    def synced(self) -> bool:
+        """True once discovery has completed a full list; False again if the pool vanishes."""
+        return self._synced
+
+    def mark_synced(self, synced: bool = True) -> None:
+        self._synced = synced
+        if synced:
+            self._synced_event.set()
+        else:
+            self._synced_event.clear()
+
+    async def wait_synced(self) -> None:
+        await self._synced_event.wait()
+
+    # -- listeners ------------------------------------------------------------------------------
+
+    def add_listener(self, listener: EndpointListener, *, replay: bool = True) -> None:
+        """Register a listener; with ``replay`` it is told about every current endpoint now."""
+        if listener in self._listeners:
+            return
+        self._listeners.append(listener)
+        if replay:
+            for ep in list(self._endpoints.values()):
+                self._call(listener, "endpoint_added", ep)
+
+    def remove_listener(self, listener: EndpointListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _notify(self, method: str, endpoint: Endpoint) -> None:
+        for listener in list(self._listeners):
+            self._call(listener, method, endpoint)
+
+    @staticmethod
+    def _call(listener: EndpointListener, method: str, endpoint: Endpoint) -> None:
+        # A faulty listener must not stop the others or corrupt the datastore's state.
+        try:
+            getattr(listener, method)(endpoint)
+        except Exception:
+            log.exception(
+                "endpoint listener %r failed in %s(%s)",
+                getattr(listener, "name", listener),
+                method,
+                endpoint.address,
+            )
+
+    # -- membership (fed by discovery) ----------------------------------------------------------
+
+    def upsert(self, spec: EndpointSpec) -> None:
+        """Add an endpoint or update it in place.  A change of metrics, KV-event or replay URL
+        is reported to listeners as removed + added (they must reconnect); a change of name or
+        labels only is applied silently.  Metrics and in-flight load carry over either way:
+        the pod behind the address is the same."""
+        old_spec = self._specs.get(spec.address)
+        if old_spec == spec:
+            return
+        ep = self._endpoints.get(spec.address)
+        if ep is None or old_spec is None:
+            ep = Endpoint(
+                address=spec.address,
+                name=spec.name,
+                labels=dict(spec.labels),
+                kv_events_url=spec.kv_events_url,
+                replay_url=spec.replay_url,
+            )
+            self._specs[spec.address] = spec
+            self._endpoints[spec.address] = ep
+            self._refresh_staleness((ep,))
+            self._notify("endpoint_added", ep)
+            return
+        urls_changed = not old_spec.same_urls(spec)
+        if urls_changed:
+            self._notify("endpoint_removed", ep)
+        self._specs[spec.address] = spec
+        ep.name = spec.name
+        ep.labels = dict(spec.labels)
+        ep.kv_events_url = spec.kv_events_url
+        ep.replay_url = spec.replay_url
+        if urls_changed:
+            self._notify("endpoint_added", ep)
+
+    def remove(self, address: str) -> Endpoint | None:
+        """Forget an endpoint; requests still in flight to it finish against its old load."""
+        self._specs.pop(address, None)
+        ep = self._endpoints.pop(address, None)
+        if ep is not None:
+            self._notify("endpoint_removed", ep)
+        return ep
+
+    def apply_specs(self, specs: Iterable[EndpointSpec]) -> None:
+        """Make the endpoint set exactly ``specs`` (a full resync).  Unchanged endpoints are
+        untouched and produce no notifications.  If two specs share an address the last wins."""
+        wanted: dict[str, EndpointSpec] = {}
+        for spec in specs:
+            if spec.address in wanted:
+                log.warning(
+                    "two endpoints share address %s (%s, %s); keeping %s",
+                    spec.address,
+                    wanted[spec.address].name,
+                    spec.name,
+                    spec.name,
+                )
+            wanted[spec.address] = spec
+        for address in [a for a in self._endpoints if a not in wanted]:
+            self.remove(address)
+        for spec in wanted.values():
+            self.upsert(spec)
+
+    def clear(self) -> None:
+        self.apply_specs(())
+
+    # -- metrics (fed by the scraper) -----------------------------------------------------------
+
+    def update_metrics(self, address: str, metrics: EndpointMetrics) -> bool:
+        """Replace an endpoint's metrics (stamped with the datastore clock when the scraper did
+        not stamp them).  Returns False when the endpoint is unknown (removed mid-scrape)."""
+        ep = self._endpoints.get(address)
+        if ep is None:
+            return False
+        if metrics.updated_at is None:
+            metrics.updated_at = self.clock()
+        ep.metrics = metrics
+        ep.metrics_stale = self._is_stale(metrics, self.clock())
+        return True
+
+    def _is_stale(self, metrics: EndpointMetrics, now: float) -> bool:
+        threshold = self.staleness_threshold
+        if threshold is None:
+            return False
+        updated = metrics.updated_at
+        return updated is None or now - updated > threshold
+
+    def _refresh_staleness(self, eps: Iterable[Endpoint]) -> None:
+        threshold = self.staleness_threshold
+        if threshold is None:
+            return
+        now = self.clock()
+        for ep in eps:
+            updated = ep.metrics.updated_at
+            ep.metrics_stale = updated is None or now - updated > threshold
+
+    # -- in-flight accounting (fed by the request path) -----------------------------------------
+
+    def request_started(self, address: str, prefill_tokens: int = 0) -> InFlightRequest:
+        """Count a request routed to ``address`` with ``prefill_tokens`` of prompt not served from
+        cache.  Call `InFlightRequest.first_token` / `finish` on the handle as the response
+        progresses.  An unknown address gets a detached handle that counts nothing."""
+        ep = self._endpoints.get(address)
+        load = ep.load if ep is not None else EndpointLoad()
+        return InFlightRequest(address, load, prefill_tokens)
+
+    def first_token(self, address: str, prefill_tokens: int) -> None:
+        """Handle-less form of `InFlightRequest.first_token`; clamps at zero.  Prefer handles:
+        this cannot tell whether the tokens were already released."""
+        ep = self._endpoints.get(address)
+        if ep is not None:
+            load = ep.load
+            load.in_flight_prefill_tokens = max(
+                0, load.in_flight_prefill_tokens - max(0, prefill_tokens)
+            )
+
+    def request_finished(self, address: str, prefill_tokens_not_yet_released: int = 0) -> None:
+        """Handle-less form of `InFlightRequest.finish`; clamps at zero."""
+        ep = self._endpoints.get(address)
+        if ep is not None:
+            self.first_token(address, prefill_tokens_not_yet_released)
+            ep.load.in_flight_requests = max(0, ep.load.in_flight_requests - 1)
+
+    # -- pool gauges ----------------------------------------------------------------------------
+
+    def ready_count(self) -> int:
+        return len(self._endpoints)
+
+    def pool_stats(self, max_age: float = DEFAULT_POOL_GAUGE_MAX_AGE) -> PoolStats:
+        """Ready count and averages over endpoints scraped within ``max_age`` seconds (the
+        Inference Extension's ``--metrics-staleness-threshold``, 2 s)."""
+        now = self.clock()
+        fresh = [
+            ep.metrics
+            for ep in self._endpoints.values()
+            if ep.metrics.updated_at is not None and now - ep.metrics.updated_at <= max_age
+        ]
+        n = len(fresh)
+        return PoolStats(
+            ready_endpoints=len(self._endpoints),
+            fresh_endpoints=n,
+            average_kv_cache_usage=sum(m.kv_cache_usage for m in fresh) / n if n else None,
+            average_waiting_requests=sum(m.waiting_requests for m in fresh) / n if n else None,
+            in_flight_requests=sum(ep.load.in_flight_requests for ep in self._endpoints.values()),
+        )
+
+    def average_kv_cache_usage(self, max_age: float = DEFAULT_POOL_GAUGE_MAX_AGE) -> float | None:
+        return self.pool_stats(max_age).average_kv_cache_usage
+
+    def average_waiting_requests(self, max_age: float = DEFAULT_POOL_GAUGE_MAX_AGE) -> float | None:
+        return self.pool_stats(max_age).average_waiting_requests

@@ -1,0 +1,1 @@
+"""Helpers for tests that start real processes and sockets (Envoy, HTTP backends)."""
