@@ -1,0 +1,730 @@
+"""The Envoy ext_proc server: one gRPC stream per HTTP request, answered by a `Router`.
+
+Protocol (Envoy ``envoy.service.ext_proc.v3.ExternalProcessor/Process``, as the Gateway API
+Inference Extension's EPP uses it; see ``shared/anchors/gie-epp-and-llm-d.md`` §1):
+
+1. ``request_headers`` are recorded.  With ``end_of_stream`` (no body: GET /v1/models, ...)
+   the request is routed at once by load (`Router.route_without_body`) and the headers are
+   answered.  Otherwise the answer waits for the body (see below for BUFFERED mode).
+2. ``request_body`` chunks are accumulated up to ``max_body_bytes`` (over it: 400 at once,
+   nothing more is buffered).  When the body is complete it is parsed (`epp.requests`), the
+   `Router` picks targets, and the EPP answers, in this order (Envoy requires
+   headers → body → trailers):
+
+   - a ``HeadersResponse`` whose header mutation sets ``x-gateway-destination-endpoint:
+     ip:port[,ip:port...]`` (primary first, then fallbacks), ``content-length`` (the body is
+     re-sent) and ``x-request-id`` when the client sent none, with ``clear_route_cache``; the
+     same destination goes in ``dynamic_metadata["envoy.lb"]``;
+   - the body, re-sent as ``streamed_response`` chunks of at most 62,000 bytes (Envoy
+     implementations cap a streamed chunk at 64 KiB), the last with ``end_of_stream``.
+
+   In ``BUFFERED`` request-body mode Envoy does not send the body until the headers are
+   answered, so the headers get an empty CONTINUE at once and the routing mutation and
+   metadata ride on the ``BodyResponse`` instead (Envoy applies header mutations and
+   ``clear_route_cache`` from a buffered body reply); the body itself is left unmutated.
+   The mode comes from ``ProcessingRequest.protocol_config`` (Envoy sends it on the first
+   message of each stream), else from `ExtProcSettings`.
+3. Errors become an ``ImmediateResponse``: `BadRequestError` → 400, `SchedulingError` →
+   its ``http_status`` (503 no ready endpoint, 429 every endpoint filtered / saturated), any
+   other exception → 500, logged with the request id.  The stream never crashes.
+4. Response phases are observed and passed through unchanged: the status, whether it is a
+   ``text/event-stream``, every body chunk (echoed immediately), and the ``usage`` of a JSON
+   body or of the last SSE ``data:`` event carrying one.  `Router.response_complete` is
+   called exactly once per routed request: at the response's end of stream, at its
+   trailers, or when the gRPC stream ends or is cancelled first.
+
+The subset hint (``metadata_context.filter_metadata["envoy.lb.subset_hint"]
+["x-gateway-destination-endpoint-subset"]``) restricts candidates; the Inference Extension
+matches it by IP only, so the `Router` receives the set of IPs.
+
+`ExtProcStream` is the per-stream state machine (no sockets: feed it ``ProcessingRequest``s,
+get ``ProcessingResponse``s back); `ExtProcServicer` is the thin grpcio adapter around it, and
+`start_extproc_server` starts a ``grpc.aio`` server with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol, TypeGuard
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from epp.requests import (
+    DEFAULT_MAX_BODY_BYTES,
+    BadRequestError,
+    check_body_size,
+    parse_request,
+    request_without_body,
+)
+from scorers.base import LLMRequest, SchedulingError, Usage
+
+logger = logging.getLogger(__name__)
+
+DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE: Final = "envoy.lb"
+SUBSET_HINT_NAMESPACE: Final = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY: Final = "x-gateway-destination-endpoint-subset"
+REQUEST_ID_HEADER: Final = "x-request-id"
+# The Inference Extension's pkg/common/envoy/chunking.go: "Certain envoy implementations set a
+# max limit of 64Kb per streamed chunk".
+BODY_CHUNK_BYTES: Final = 62_000
+# Status reported to `Router.response_complete` when the stream ended before the upstream
+# answered (client went away, upstream reset).
+STATUS_UNKNOWN: Final = 0
+
+_Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX_STREAMED: Final[int] = _Mode.FULL_DUPLEX_STREAMED
+BUFFERED: Final[int] = _Mode.BUFFERED
+_BODY_MODE_NONE: Final[int] = _Mode.NONE
+
+# One message of the stream, in either direction (the xds-protos stubs are untyped).
+ProcessingRequest = Any
+ProcessingResponse = Any
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract with the scheduler
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """Where one request goes: ``targets`` are ``"ip:port"``, primary first, then fallbacks."""
+
+    request: LLMRequest
+    targets: tuple[str, ...]
+
+    @property
+    def destination(self) -> str:
+        """The ``x-gateway-destination-endpoint`` value: the targets joined by commas."""
+        return ",".join(self.targets)
+
+
+class Router(Protocol):
+    """What the ext_proc server needs from the scheduler.  Implemented by ``epp.scheduler``.
+
+    ``subset`` is the proxy's subset hint as a set of IPs (the hint lists ``ip:port`` but is
+    matched by IP only): ``None`` when there is no hint (every endpoint is a candidate), an
+    empty set when the hint is present but empty (no candidate: raise
+    `NoReadyEndpointsError`).  ``route``/``route_without_body`` must leave no state behind
+    when they raise or are cancelled; once they return, the server guarantees exactly one
+    ``response_complete`` for the decision.  The other hooks must not block: they run on the
+    event loop between a response chunk and its echo.
+    """
+
+    async def route(self, request: LLMRequest, subset: frozenset[str] | None) -> RoutingDecision:
+        """Pick targets for a parsed request; raise a `SchedulingError` subclass if none."""
+        ...
+
+    def route_without_body(
+        self, request: LLMRequest, subset: frozenset[str] | None
+    ) -> RoutingDecision:
+        """Pick the least-loaded ready endpoint for a body-less request (GET /v1/models)."""
+        ...
+
+    def response_headers(self, decision: RoutingDecision, status: int) -> None:
+        """The upstream answered with ``status``."""
+        ...
+
+    def response_chunk(self, decision: RoutingDecision) -> None:
+        """A non-empty response body chunk passed; the first call is the first byte (TTFT)."""
+        ...
+
+    def response_complete(
+        self, decision: RoutingDecision, usage: Usage | None, status: int
+    ) -> None:
+        """The response ended (or the stream was aborted: ``status`` may be `STATUS_UNKNOWN`).
+        Called exactly once per decision, so in-flight counts never leak."""
+        ...
+
+    def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
+        """The EPP answered the request itself with an error ``status`` (for error metrics);
+        ``request`` is None when the body could not be parsed."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class ExtProcSettings:
+    """Server-side knobs.  The body modes are used only when Envoy does not announce its own
+    (``ProcessingRequest.protocol_config``, sent by Envoy ≥ 1.33 on each stream's first
+    message); they must then match the filter's ``processing_mode``."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_body_mode: int = FULL_DUPLEX_STREAMED
+    response_body_mode: int = FULL_DUPLEX_STREAMED
+    # How much of a non-streamed response body is kept to read its ``usage``; larger bodies
+    # pass through all the same, their usage is reported as unknown.
+    max_usage_scan_bytes: int = 4 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Response usage (OpenAI ``usage``), read without holding the stream up
+
+
+def parse_usage(value: Any) -> Usage | None:
+    """`Usage` from an OpenAI ``usage`` object, or None when it is absent or malformed."""
+    if not isinstance(value, dict):
+        return None
+    prompt = value.get("prompt_tokens")
+    completion = value.get("completion_tokens", 0)
+    if not _is_count(prompt) or not _is_count(completion):
+        return None
+    details = value.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached if _is_count(cached) else None,
+    )
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class UsageScanner:
+    """Collects the ``usage`` of a response body fed chunk by chunk.
+
+    Server-sent events (``text/event-stream``): every complete ``data:`` line that mentions
+    ``"usage"`` is decoded and the last non-null usage wins (vLLM sends it in the final chunk
+    with ``stream_options.include_usage``, or in every chunk with ``continuous_usage_stats``).
+    Anything else is treated as one JSON document, kept up to ``limit`` bytes and decoded at
+    the end.
+    """
+
+    def __init__(self, *, streaming: bool, limit: int) -> None:
+        self._streaming = streaming
+        self._limit = limit
+        self._buffer = bytearray()
+        self._overflow = False
+        self._usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._overflow or not chunk:
+            return
+        self._buffer += chunk
+        if self._streaming:
+            self._scan_lines()
+        if len(self._buffer) > self._limit:
+            # A non-streamed body too large to keep, or an SSE line that never ends.
+            self._buffer.clear()
+            self._overflow = not self._streaming
+
+    def _scan_lines(self) -> None:
+        end = self._buffer.rfind(b"\n")
+        if end < 0:
+            return
+        complete = bytes(self._buffer[: end + 1])
+        del self._buffer[: end + 1]
+        for line in complete.splitlines():
+            self._scan_line(line)
+
+    def _scan_line(self, line: bytes) -> None:
+        if not line.startswith(b"data:") or b'"usage"' not in line:
+            return
+        try:
+            event = json.loads(line[5:])
+        except (ValueError, RecursionError):
+            return
+        usage = parse_usage(event.get("usage")) if isinstance(event, dict) else None
+        if usage is not None:
+            self._usage = usage
+
+    def result(self) -> Usage | None:
+        if self._streaming:
+            if self._buffer:  # a last event without a trailing newline
+                self._scan_line(bytes(self._buffer).strip())
+                self._buffer.clear()
+            return self._usage
+        if self._overflow or not self._buffer:
+            return None
+        try:
+            document = json.loads(bytes(self._buffer))
+        except (ValueError, RecursionError):
+            return None
+        return parse_usage(document.get("usage")) if isinstance(document, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Message helpers
+
+
+def decode_headers(header_map: Any) -> dict[str, str]:
+    """Envoy's ``HeaderMap`` as a dict (keys lower-case, repeated headers joined by commas).
+    Envoy sends values in ``raw_value`` (bytes); older versions used ``value``."""
+    headers: dict[str, str] = {}
+    for header in header_map.headers:
+        value = (
+            header.raw_value.decode("utf-8", errors="replace") if header.raw_value else header.value
+        )
+        key = header.key.lower()
+        headers[key] = f"{headers[key]},{value}" if key in headers else value
+    return headers
+
+
+def subset_hint(metadata_context: Any) -> frozenset[str] | None:
+    """IPs of the proxy's subset hint, None when there is no hint.  The hint lists
+    ``ip:port`` (or bare IPs); matching is by IP only, as in the Inference Extension."""
+    namespace = metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
+    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_HINT_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        entries = [v.string_value for v in value.list_value.values if v.string_value]
+    elif kind == "string_value":
+        entries = [part for part in value.string_value.split(",") if part.strip()]
+    else:
+        entries = []
+    return frozenset(_ip_of(entry.strip()) for entry in entries)
+
+
+def _ip_of(address: str) -> str:
+    if address.startswith("["):  # [v6]:port or [v6]
+        return address[1:].split("]", 1)[0]
+    if address.count(":") == 1:  # v4:port
+        return address.rsplit(":", 1)[0]
+    return address  # bare v4 or bare v6
+
+
+def _set_header(key: str, value: str) -> Any:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def streamed_body_responses(body: bytes, *, end_of_stream: bool, request: bool) -> list[Any]:
+    """``body`` as ``BodyResponse``s carrying ``streamed_response`` chunks of at most
+    `BODY_CHUNK_BYTES`; only the last carries ``end_of_stream``.  An empty body is one empty
+    chunk (Envoy still needs to see the end of stream)."""
+    pieces = [body[i : i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)]
+    pieces = pieces or [b""]
+    responses = []
+    for index, piece in enumerate(pieces):
+        last = index == len(pieces) - 1
+        body_response = ext_proc_pb2.BodyResponse(
+            response=ext_proc_pb2.CommonResponse(
+                body_mutation=ext_proc_pb2.BodyMutation(
+                    streamed_response=ext_proc_pb2.StreamedBodyResponse(
+                        body=piece, end_of_stream=end_of_stream and last
+                    )
+                )
+            )
+        )
+        if request:
+            responses.append(ext_proc_pb2.ProcessingResponse(request_body=body_response))
+        else:
+            responses.append(ext_proc_pb2.ProcessingResponse(response_body=body_response))
+    return responses
+
+
+def immediate_response(status: int, message: str, request_id: str | None, details: str) -> Any:
+    """An ``ImmediateResponse`` (Envoy answers the client itself) with a plain-text body."""
+    set_headers = [_set_header("content-type", "text/plain; charset=utf-8")]
+    if request_id:
+        set_headers.append(_set_header(REQUEST_ID_HEADER, request_id))
+    return ext_proc_pb2.ProcessingResponse(
+        immediate_response=ext_proc_pb2.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=ext_proc_pb2.HeaderMutation(set_headers=set_headers),
+            body=(message + "\n").encode(),
+            details=details,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-stream state machine
+
+
+class Phase(enum.Enum):
+    AWAITING_HEADERS = "awaiting request headers"
+    READING_BODY = "reading request body"
+    ROUTED = "routed; observing the response"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class _ResponseState:
+    status: int = STATUS_UNKNOWN
+    usage: UsageScanner | None = None
+    completed: bool = False
+
+
+@dataclass(slots=True)
+class _Body:
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    def append(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+
+    def join(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class ExtProcStream:
+    """The life of one HTTP request through the EPP.  Feed every ``ProcessingRequest`` to
+    `handle` in order and send back what it returns; call `close` when the gRPC stream ends,
+    however it ends."""
+
+    def __init__(
+        self,
+        router: Router,
+        settings: ExtProcSettings | None = None,
+        *,
+        new_request_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+    ) -> None:
+        self._router = router
+        self._settings = settings or ExtProcSettings()
+        self._new_request_id = new_request_id
+        self.phase = Phase.AWAITING_HEADERS
+        self.request_body_mode = self._settings.request_body_mode
+        self.response_body_mode = self._settings.response_body_mode
+        self.subset: frozenset[str] | None = None
+        self.headers: dict[str, str] = {}
+        self.request_id: str | None = None
+        self._request_id_generated = False
+        self._body = _Body()
+        self._request: LLMRequest | None = None
+        self.decision: RoutingDecision | None = None
+        self._response = _ResponseState()
+
+    # -- entry points ------------------------------------------------------------------------
+
+    async def handle(self, message: ProcessingRequest) -> list[ProcessingResponse]:
+        """Responses to send back for one message from Envoy (possibly none yet)."""
+        if message.HasField("protocol_config"):
+            self.request_body_mode = message.protocol_config.request_body_mode
+            self.response_body_mode = message.protocol_config.response_body_mode
+        if message.HasField("metadata_context"):
+            hint = subset_hint(message.metadata_context)
+            if hint is not None:
+                self.subset = hint
+        if self.phase is Phase.FINISHED:
+            return []  # we already answered with an ImmediateResponse; Envoy is tearing down
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return await self._on_request_headers(message.request_headers)
+            if kind == "request_body":
+                return await self._on_request_body(message.request_body)
+            if kind == "request_trailers":
+                return await self._on_request_trailers()
+        except BadRequestError as exc:
+            return self._fail(exc.http_status, exc.message, "epp_bad_request")
+        except SchedulingError as exc:
+            return self._fail(exc.http_status, str(exc) or type(exc).__name__, _details(exc))
+        except Exception:
+            logger.exception(
+                "ext_proc: internal error while routing request %s (path %s)",
+                self.request_id,
+                self.headers.get(":path", "?"),
+            )
+            return self._fail(500, "internal error in the endpoint picker", "epp_internal_error")
+        if kind == "response_headers":
+            return self._on_response_headers(message.response_headers)
+        if kind == "response_body":
+            return self._on_response_body(message.response_body)
+        if kind == "response_trailers":
+            self._complete()
+            return [
+                ext_proc_pb2.ProcessingResponse(response_trailers=ext_proc_pb2.TrailersResponse())
+            ]
+        logger.warning("ext_proc: ignoring a message without a known phase (%s)", kind)
+        return []
+
+    def close(self) -> None:
+        """The gRPC stream ended.  A routed request whose response did not finish is completed
+        now (status as far as known), so the router's in-flight accounting never leaks."""
+        self._complete()
+        self.phase = Phase.FINISHED
+
+    # -- request phases ----------------------------------------------------------------------
+
+    async def _on_request_headers(self, message: Any) -> list[ProcessingResponse]:
+        if self.phase is not Phase.AWAITING_HEADERS:
+            raise RuntimeError(f"request headers received while {self.phase.value}")
+        self.headers = decode_headers(message.headers)
+        self.request_id = self.headers.get(REQUEST_ID_HEADER) or None
+        if self.request_id is None:
+            self.request_id = self._new_request_id()
+            self._request_id_generated = True
+        if message.end_of_stream or self.request_body_mode not in (
+            FULL_DUPLEX_STREAMED,
+            BUFFERED,
+        ):
+            # No body will come (or this body mode cannot hold the headers): route by load.
+            return [self._headers_response(self._route_without_body(), content_length=None)]
+        self.phase = Phase.READING_BODY
+        if self.request_body_mode == BUFFERED:
+            # Envoy sends a buffered body only after the headers are answered; the routing
+            # mutation goes on the body reply instead.
+            return [ext_proc_pb2.ProcessingResponse(request_headers=ext_proc_pb2.HeadersResponse())]
+        return []  # FULL_DUPLEX_STREAMED: answer once the body is complete
+
+    async def _on_request_body(self, message: Any) -> list[ProcessingResponse]:
+        if self.phase is Phase.ROUTED:
+            # A body Envoy streams in a mode we do not buffer: let it through as it is.
+            return [ext_proc_pb2.ProcessingResponse(request_body=ext_proc_pb2.BodyResponse())]
+        if self.phase is not Phase.READING_BODY:
+            raise RuntimeError(f"request body received while {self.phase.value}")
+        check_body_size(self._body.size + len(message.body), self._settings.max_body_bytes)
+        self._body.append(message.body)
+        if message.end_of_stream or self.request_body_mode == BUFFERED:
+            return await self._route_body(trailers_follow=False)
+        return []
+
+    async def _on_request_trailers(self) -> list[ProcessingResponse]:
+        trailers = ext_proc_pb2.ProcessingResponse(request_trailers=ext_proc_pb2.TrailersResponse())
+        if self.phase is Phase.READING_BODY:
+            # Trailers end the body: it is complete without an end_of_stream chunk.
+            return [*await self._route_body(trailers_follow=True), trailers]
+        return [trailers]
+
+    async def _route_body(self, *, trailers_follow: bool) -> list[ProcessingResponse]:
+        body = self._body.join()
+        self._body = _Body()
+        path = self.headers.get(":path", "")
+        request = parse_request(
+            body,
+            path=path,
+            headers=self.headers,
+            request_id=self._require_request_id(),
+            max_body_bytes=self._settings.max_body_bytes,
+        )
+        self._request = request
+        if not body.strip() and request.kind == "other":
+            decision = self._router.route_without_body(request, self.subset)
+        else:
+            decision = await self._router.route(request, self.subset)
+        self._routed(decision)
+        if self.request_body_mode == BUFFERED:
+            return [self._buffered_body_response(decision)]
+        return [
+            self._headers_response(decision, content_length=len(body)),
+            *streamed_body_responses(body, end_of_stream=not trailers_follow, request=True),
+        ]
+
+    def _route_without_body(self) -> RoutingDecision:
+        request = request_without_body(
+            path=self.headers.get(":path", ""),
+            headers=self.headers,
+            request_id=self._require_request_id(),
+        )
+        self._request = request
+        decision = self._router.route_without_body(request, self.subset)
+        self._routed(decision)
+        return decision
+
+    def _routed(self, decision: RoutingDecision) -> None:
+        if not decision.targets:
+            # A router bug, not a scheduling outcome: fail loudly rather than let Envoy 503.
+            self.decision = None
+            raise RuntimeError("the router returned a decision without targets")
+        self.decision = decision
+        self.phase = Phase.ROUTED
+
+    def _routing_mutation(self, decision: RoutingDecision, content_length: int | None) -> Any:
+        set_headers = [_set_header(DESTINATION_HEADER, decision.destination)]
+        if content_length is not None:
+            set_headers.append(_set_header("content-length", str(content_length)))
+        if self._request_id_generated and self.request_id:
+            set_headers.append(_set_header(REQUEST_ID_HEADER, self.request_id))
+        return ext_proc_pb2.CommonResponse(
+            header_mutation=ext_proc_pb2.HeaderMutation(set_headers=set_headers),
+            clear_route_cache=True,
+        )
+
+    @staticmethod
+    def _destination_metadata(decision: RoutingDecision) -> Any:
+        metadata = struct_pb2.Struct()
+        metadata.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: decision.destination}})
+        return metadata
+
+    def _headers_response(
+        self, decision: RoutingDecision, *, content_length: int | None
+    ) -> ProcessingResponse:
+        return ext_proc_pb2.ProcessingResponse(
+            request_headers=ext_proc_pb2.HeadersResponse(
+                response=self._routing_mutation(decision, content_length)
+            ),
+            dynamic_metadata=self._destination_metadata(decision),
+        )
+
+    def _buffered_body_response(self, decision: RoutingDecision) -> ProcessingResponse:
+        return ext_proc_pb2.ProcessingResponse(
+            request_body=ext_proc_pb2.BodyResponse(
+                response=self._routing_mutation(decision, content_length=None)
+            ),
+            dynamic_metadata=self._destination_metadata(decision),
+        )
+
+    def _require_request_id(self) -> str:
+        if self.request_id is None:
+            raise RuntimeError("request id is not known before the request headers")
+        return self.request_id
+
+    def _fail(self, status: int, message: str, details: str) -> list[ProcessingResponse]:
+        if self.decision is not None:
+            # Routing succeeded but building the reply failed: release the decision.
+            self._complete(status=status)
+        self.phase = Phase.FINISHED
+        self._body = _Body()
+        try:
+            self._router.request_failed(self._request, status, message)
+        except Exception:
+            logger.exception("ext_proc: router.request_failed raised for %s", self.request_id)
+        return [immediate_response(status, message, self.request_id, details)]
+
+    # -- response phases ---------------------------------------------------------------------
+
+    def _on_response_headers(self, message: Any) -> list[ProcessingResponse]:
+        headers = decode_headers(message.headers)
+        try:
+            self._response.status = int(headers.get(":status", ""))
+        except ValueError:
+            self._response.status = STATUS_UNKNOWN
+        streaming = "text/event-stream" in headers.get("content-type", "").lower()
+        self._response.usage = UsageScanner(
+            streaming=streaming, limit=self._settings.max_usage_scan_bytes
+        )
+        if self.decision is not None and not self._response.completed:
+            self._notify(
+                "response_headers",
+                self._router.response_headers,
+                self.decision,
+                self._response.status,
+            )
+        if message.end_of_stream:
+            self._complete()
+        return [ext_proc_pb2.ProcessingResponse(response_headers=ext_proc_pb2.HeadersResponse())]
+
+    def _on_response_body(self, message: Any) -> list[ProcessingResponse]:
+        chunk: bytes = message.body
+        if chunk and self.decision is not None and not self._response.completed:
+            self._notify("response_chunk", self._router.response_chunk, self.decision)
+            if self._response.usage is not None:
+                self._response.usage.feed(chunk)
+        if message.end_of_stream:
+            self._complete()
+        if self.response_body_mode == FULL_DUPLEX_STREAMED:
+            return streamed_body_responses(
+                chunk, end_of_stream=message.end_of_stream, request=False
+            )
+        return [ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse())]
+
+    def _complete(self, status: int | None = None) -> None:
+        if self.decision is None or self._response.completed:
+            return
+        self._response.completed = True
+        usage = self._response.usage.result() if self._response.usage is not None else None
+        self._notify(
+            "response_complete",
+            self._router.response_complete,
+            self.decision,
+            usage,
+            self._response.status if status is None else status,
+        )
+
+    def _notify(self, hook: str, callback: Callable[..., None], *args: Any) -> None:
+        # Observing the response must never break it: a failing hook is logged and skipped.
+        try:
+            callback(*args)
+        except Exception:
+            logger.exception("ext_proc: router.%s raised for request %s", hook, self.request_id)
+
+
+def _details(exc: SchedulingError) -> str:
+    # Envoy's response-code details (access logs): one token, no spaces.
+    name = type(exc).__name__.removesuffix("Error")
+    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+    return f"epp_{snake}"
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC edge
+
+
+class ExtProcServicer(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """grpcio adapter: one `ExtProcStream` per ``Process`` call."""
+
+    def __init__(self, router: Router, settings: ExtProcSettings | None = None) -> None:
+        self._router = router
+        self._settings = settings or ExtProcSettings()
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[ProcessingResponse]:
+        stream = ExtProcStream(self._router, self._settings)
+        try:
+            async for message in request_iterator:
+                for response in await stream.handle(message):
+                    yield response
+        finally:
+            # Normal end, Envoy's reset after the response, or client cancellation.
+            stream.close()
+
+
+@dataclass(slots=True)
+class ExtProcServer:
+    """A running ext_proc gRPC server and the port it listens on."""
+
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.server.stop(grace)
+
+
+async def start_extproc_server(
+    router: Router,
+    *,
+    port: int,
+    host: str = "0.0.0.0",
+    settings: ExtProcSettings | None = None,
+    tls: grpc.ServerCredentials | None = None,
+    extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
+) -> ExtProcServer:
+    """Start a ``grpc.aio`` server with the ext_proc service on ``host:port`` (``port=0``
+    picks a free port; the result says which).  ``tls``: server credentials for a secure
+    port (building them from certificate files is the caller's job); None listens in
+    plaintext.  ``extra_services``: functions registering more services on the same server
+    (health, reflection)."""
+    settings = settings or ExtProcSettings()
+    # A BUFFERED body arrives in a single message: let gRPC accept the largest body we allow.
+    max_message = settings.max_body_bytes + 1024 * 1024
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ]
+    )
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router, settings), server)
+    for register in extra_services:
+        register(server)
+    address = f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, tls)
+        if tls is not None
+        else server.add_insecure_port(address)
+    )
+    if bound == 0:
+        raise OSError(f"ext_proc server could not bind {address}")
+    await server.start()
+    logger.info("ext_proc server listening on %s:%d", host, bound)
+    return ExtProcServer(server=server, port=bound)
