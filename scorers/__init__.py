@@ -1,0 +1,8 @@
+"""Scheduling plugins.  Importing this package registers every built-in plugin type, so that
+``scorers.base.create_plugin`` knows the names users write in YAML.
+
+One module per plugin family; a new plugin is a new module here plus one import below."""
+
+from scorers import affinity, filters, load, pickers, prefix_approx, profiles
+
+__all__ = ["affinity", "filters", "load", "pickers", "prefix_approx", "profiles"]

@@ -1,0 +1,137 @@
+"""Load scorers: prefer the endpoint with the least work on it.
+
+Two sources of load:
+
+* what the model server reports on ``/metrics`` (``Endpoint.metrics``: waiting and running
+  requests, KV-cache usage), refreshed by the scraper and possibly stale;
+* what the EPP itself routed and has not seen finish (``Endpoint.load``), always current.
+
+Stale metrics count as saturated (the Inference Extension's utilization detector does the same:
+"Endpoints with missing or stale metrics are aggressively scored as 100% saturated"): a scorer
+reading scraped metrics gives a stale endpoint 0, the score of the most loaded endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
+
+
+def inverse_min_max(
+    endpoints: Sequence[Endpoint], load: Callable[[Endpoint], float]
+) -> dict[str, float]:
+    """``(max - x) / (max - min)`` over the fresh endpoints; all equal → 1.0; stale → 0.0.
+
+    Stale endpoints score 0 without taking part in the min and max, so one stale endpoint does
+    not squash the spread between the fresh ones (and is still ranked below all of them when
+    the fresh ones are equal)."""
+    scores: dict[str, float] = {}
+    fresh: list[tuple[str, float]] = []
+    for endpoint in endpoints:
+        if endpoint.metrics_stale:
+            scores[endpoint.address] = 0.0
+        else:
+            fresh.append((endpoint.address, load(endpoint)))
+    if not fresh:
+        return scores
+    low = min(value for _, value in fresh)
+    high = max(value for _, value in fresh)
+    if high == low:
+        for address, _ in fresh:
+            scores[address] = 1.0
+        return scores
+    span = high - low
+    for address, value in fresh:
+        scores[address] = (high - value) / span
+    return scores
+
+
+@register("queue-scorer")
+class QueueScorer(Plugin):
+    """Shortest waiting queue (``vllm:num_requests_waiting``), min-max normalized over the
+    candidates: ``(maxQ - q) / (maxQ - minQ)``; all equal → 1.0."""
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        return inverse_min_max(endpoints, lambda e: e.metrics.waiting_requests)
+
+
+@register("running-requests-size-scorer")
+class RunningRequestsSizeScorer(Plugin):
+    """Fewest running requests (``vllm:num_requests_running``), min-max normalized like
+    ``queue-scorer``."""
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        return inverse_min_max(endpoints, lambda e: e.metrics.running_requests)
+
+
+@register("kv-cache-utilization-scorer")
+class KVCacheUtilizationScorer(Plugin):
+    """Most free KV cache: ``1 - kv_cache_usage`` (usage clamped to [0, 1]); stale → 0."""
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        return {
+            e.address: 0.0
+            if e.metrics_stale
+            else 1.0 - min(1.0, max(0.0, e.metrics.kv_cache_usage))
+            for e in endpoints
+        }
+
+
+@register("kv-cache-scorer")
+class KVCacheScorer(KVCacheUtilizationScorer):
+    """Older llm-d name of ``kv-cache-utilization-scorer`` (llm-d v0.3 example configs)."""
+
+
+class LoadAwareParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: int = Field(
+        default=128,
+        gt=0,
+        description="Waiting requests at which an endpoint scores 0 (llm-d: 128).",
+    )
+
+
+@register("load-aware-scorer")
+class LoadAwareScorer(Plugin):
+    """llm-d's absolute queue scorer, not relative to the other candidates: waiting queue
+    ``q = 0`` → 0.5; ``q ≥ threshold`` → 0; else ``0.5 · (1 - q / threshold)``; stale → 0.
+    (The score tops out at 0.5 by llm-d's design, leaving room above for spare capacity.)"""
+
+    Parameters = LoadAwareParameters
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        assert isinstance(params, LoadAwareParameters)
+        self.threshold = float(params.threshold)
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        threshold = self.threshold
+        scores: dict[str, float] = {}
+        for endpoint in endpoints:
+            waiting = endpoint.metrics.waiting_requests
+            if endpoint.metrics_stale or waiting >= threshold:
+                scores[endpoint.address] = 0.0
+            elif waiting <= 0:
+                scores[endpoint.address] = 0.5
+            else:
+                scores[endpoint.address] = 0.5 * (1.0 - waiting / threshold)
+        return scores
+
+
+@register("active-request-scorer")
+class ActiveRequestScorer(Plugin):
+    """llm-d's in-flight scorer on the load the EPP observes itself
+    (``Endpoint.load.in_flight_requests``, never stale): ``(max - n) / max`` over the
+    candidates; all idle → 1.0."""
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        busiest = max((e.load.in_flight_requests for e in endpoints), default=0)
+        if busiest <= 0:
+            return {e.address: 1.0 for e in endpoints}
+        return {
+            e.address: (busiest - max(0, e.load.in_flight_requests)) / busiest for e in endpoints
+        }

@@ -1,0 +1,49 @@
+"""Keys plugins use to share per-request facts through ``LLMRequest.data``.
+
+``LLMRequest.data`` is the Inference Extension's CycleState: one dict per request, written by
+data producers and scorers, read by later scorers, PreRequest plugins and the ext_proc layer.
+Every key more than one module reads is declared here, with its type and who writes it.
+
+PREFIX_MATCHED_BLOCKS (``"prefix.matched_blocks"``): ``dict[str, int]``
+    Endpoint address → number of the request's leading blocks that endpoint is believed to hold
+    in its prefix cache (consecutive from block 0).  Written during ``prepare`` (before any
+    filter or scorer runs) by every prefix scorer: ``prefix-cache-scorer`` (approximate, blocks of
+    characters) and ``precise-prefix-cache-scorer`` (KV-event index, blocks of tokens).  Write it
+    with `record_prefix_matches`, which keeps the per-endpoint maximum when several prefix
+    scorers run; since the block units may differ, readers should treat it as "is there a hit,
+    and which endpoint has the longest", not as an exact length.  An address that is absent
+    holds nothing.  Read by ``no-hit-lru-scorer`` (`is_cold_request`).
+
+SESSION_TOKEN (``"session-token"``): ``str``
+    The value the ext_proc layer must send back in the ``x-session-token`` response header:
+    base64 of the chosen endpoint's address.  Written by ``session-affinity-scorer`` in
+    PreRequest.  Absent when that plugin is not configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from scorers.base import LLMRequest
+
+PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
+SESSION_TOKEN: Final = "session-token"
+
+
+def record_prefix_matches(request: LLMRequest, matches: Mapping[str, int]) -> None:
+    """Merge one prefix scorer's matches into ``request.data[PREFIX_MATCHED_BLOCKS]``."""
+    merged: dict[str, int] | None = request.data.get(PREFIX_MATCHED_BLOCKS)
+    if merged is None:
+        request.data[PREFIX_MATCHED_BLOCKS] = {a: n for a, n in matches.items() if n > 0}
+        return
+    for address, blocks in matches.items():
+        if blocks > merged.get(address, 0):
+            merged[address] = blocks
+
+
+def is_cold_request(request: LLMRequest) -> bool:
+    """True when no prefix scorer found any endpoint holding a prefix of this request.  A
+    request no prefix scorer looked at counts as cold (llm-d's no-hit-lru does the same)."""
+    matches: Mapping[str, int] | None = request.data.get(PREFIX_MATCHED_BLOCKS)
+    return not matches or not any(n > 0 for n in matches.values())
