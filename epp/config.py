@@ -1,0 +1,611 @@
+"""The ``EndpointPickerConfig`` file: models, loading, defaults, and building the scheduler.
+
+The format is the Inference Extension's (and llm-d's; both ``apiVersion`` values are accepted)::
+
+    apiVersion: inference.networking.x-k8s.io/v1alpha1   # or llm-d.ai/v1alpha1
+    kind: EndpointPickerConfig
+    plugins:                          # plugin instances: a type name plus parameters
+    - type: prefix-cache-scorer       # `name` defaults to the type; names must be unique
+      parameters: {blockSize: 64}
+    - name: picker
+      type: max-score-picker
+    schedulingProfiles:               # filters → weighted scorers → one picker
+    - name: default
+      plugins:
+      - pluginRef: prefix-cache-scorer
+        weight: 3                     # scorers only; float ≥ 0, default 1
+      - pluginRef: picker
+
+Defaults, as in the Inference Extension:
+
+* no file at all → `DEFAULT_CONFIG_YAML`;
+* no ``schedulingProfiles`` → one profile ``default`` with every declared filter, scorer and
+  picker, in declaration order, weight 1;
+* a profile without a picker → a ``max-score-picker`` (an existing instance of that type is
+  reused, otherwise one is declared);
+* one profile and no profile handler → a ``single-profile-handler``.
+
+Strictness: a wrong file fails at start-up with one `ConfigError` listing every problem as
+``<path of the field>: <what is wrong and what was expected>``; YAML syntax errors and duplicate
+keys give the line and column.  Tolerated and ignored with a warning (Inference Extension and
+llm-d features whose job this EPP does natively or does not offer): the top-level keys in
+`IGNORED_TOP_LEVEL_KEYS` and the plugin types in `IGNORED_PLUGIN_TYPES`.  Any other unknown key
+is an error.
+
+Like the Inference Extension, the file is read once at start; changing it needs a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal, cast, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+import scorers  # noqa: F401  (registers the built-in plugin types)
+from epp.scheduler import PluginDurationHook, Scheduler, SchedulerProfile, WeightedScorer
+from scorers.base import (
+    Filter,
+    Picker,
+    Plugin,
+    PluginConfigError,
+    PluginContext,
+    ProfileHandler,
+    create_plugin,
+    plugin_class,
+    registered_types,
+)
+
+logger = logging.getLogger(__name__)
+
+API_VERSIONS: Final = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
+KIND: Final = "EndpointPickerConfig"
+DEFAULT_PROFILE: Final = "default"
+DEFAULT_PICKER: Final = "max-score-picker"
+DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
+
+IGNORED_TOP_LEVEL_KEYS: Final[Mapping[str, str]] = {
+    "featureGates": "this EPP has no feature gates",
+    "dataLayer": "metrics scraping and discovery are built in (see the --metrics flags)",
+    "saturationDetector": "saturation is judged by the load scorers and filters",
+    "flowControl": "flow control (request queueing) is not implemented",
+    "requestHandler": "request parsing is built in (OpenAI completions and chat)",
+    "parser": "request parsing is built in (OpenAI completions and chat)",
+}
+"""Top-level keys the Inference Extension / llm-d define that this EPP accepts and ignores."""
+
+IGNORED_PLUGIN_TYPES: Final[Mapping[str, str]] = {
+    "metrics-data-source": "model server metrics are scraped natively",
+    "core-metrics-extractor": "model server metrics are scraped natively",
+}
+"""Data-layer plugin types of the Inference Extension's default Helm config whose job this EPP
+does natively: declaring them is accepted (with a warning) so that config loads unchanged."""
+
+DEFAULT_CONFIG_YAML: Final = """\
+# The Inference Extension's default (GIE and llm-d Helm charts, llm-d router loader defaults):
+# approximate prefix affinity balanced against queue length and KV-cache utilization.
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+- type: single-profile-handler
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+"""Used when no config file is given."""
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid.  ``problems`` holds one ``path: message`` line per
+    problem; the message starts with the source (file path, or ``<config text>``)."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        if len(self.problems) == 1:
+            message = f"{source}: invalid EndpointPickerConfig: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  {p}" for p in self.problems)
+            message = (
+                f"{source}: invalid EndpointPickerConfig ({len(self.problems)} problems):\n{lines}"
+            )
+        super().__init__(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PluginSpec(_Strict):
+    """One plugin instance: ``type`` is a registered type name; ``name`` (default: the type)
+    is what profiles reference; ``parameters`` are validated by the type's own model."""
+
+    name: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults_to_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("name") is None and "type" in data:
+            return {**data, "name": data["type"]}
+        return data
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters_are_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class ProfilePluginRef(_Strict):
+    """A plugin used by a profile; ``weight`` applies to scorers (float ≥ 0, default 1)."""
+
+    pluginRef: str = Field(min_length=1)
+    weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+
+
+class SchedulingProfileSpec(_Strict):
+    name: str = Field(min_length=1)
+    plugins: list[ProfilePluginRef] = Field(default_factory=list)
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _null_plugins_are_empty(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+
+class EndpointPickerConfig(_Strict):
+    apiVersion: Literal[
+        "inference.networking.x-k8s.io/v1alpha1",
+        "llm-d.ai/v1alpha1",
+    ]
+    kind: Literal["EndpointPickerConfig"]
+    plugins: list[PluginSpec] = Field(default_factory=list)
+    schedulingProfiles: list[SchedulingProfileSpec] = Field(default_factory=list)
+
+    @field_validator("plugins", "schedulingProfiles", mode="before")
+    @classmethod
+    def _null_lists_are_empty(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, text: str | None = None) -> EndpointPickerConfig:
+    """Read, validate and complete a configuration (see the module docstring for defaults).
+
+    ``path``: a YAML file; ``text``: YAML text (``--config-text``); neither: the built-in
+    default.  Raises `ConfigError`."""
+    if path is not None and text is not None:
+        raise ConfigError(str(path), ["give a config file or config text, not both"])
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(source, [f"cannot read the file: {reason}"]) from None
+    elif text is not None:
+        source = "<config text>"
+    else:
+        source, text = "<built-in default config>", DEFAULT_CONFIG_YAML
+    return parse_config(text, source)
+
+
+def parse_config(text: str, source: str = "<config text>") -> EndpointPickerConfig:
+    data = _load_yaml(text, source)
+    if data is None:
+        raise ConfigError(
+            source, [f"the document is empty; expected a mapping with apiVersion and kind: {KIND}"]
+        )
+    if not isinstance(data, dict):
+        raise ConfigError(
+            source,
+            [
+                f"the document must be a mapping (apiVersion, kind, plugins, "
+                f"schedulingProfiles), not a {type(data).__name__}"
+            ],
+        )
+    for key in [k for k in data if k in IGNORED_TOP_LEVEL_KEYS]:
+        logger.warning(
+            "%s: ignoring top-level key %r: %s", source, key, IGNORED_TOP_LEVEL_KEYS[key]
+        )
+        del data[key]
+    try:
+        config = EndpointPickerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _describe(exc, EndpointPickerConfig)) from None
+    return resolve_config(config, source)
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """A safe loader that rejects duplicate mapping keys (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictSafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen[key] = key_node
+    return dict(loader.construct_pairs(node, deep=True))
+
+
+_StrictSafeLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
+)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictSafeLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        raise ConfigError(source, [f"YAML syntax error at {where}{problem}{context}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"YAML syntax error: {exc}"]) from None
+
+
+def _describe(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> list[str]:
+    """pydantic errors as ``path: message`` lines with Kubernetes-style paths
+    (``plugins[2].parameters.threshold``)."""
+    problems = []
+    for error in exc.errors():
+        loc = error["loc"]
+        path = _format_path(loc, prefix)
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(root, loc)
+            message = "unknown key" + (
+                f"; expected one of: {', '.join(allowed)}" if allowed else ""
+            )
+        elif kind == "missing":
+            message = "required field is missing"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            given = error.get("input")
+            if not isinstance(given, dict | list):
+                shown = repr(given)
+                message += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+        problems.append(f"{path}: {message}" if path else message)
+    return problems
+
+
+def _format_path(loc: Sequence[int | str], prefix: str = "") -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _allowed_keys(root: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    """Field names of the model that holds the key at ``loc`` (for "did you mean" messages)."""
+    model: type[BaseModel] = root
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        while get_origin(annotation) in (list, tuple):
+            annotation = get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Completing and checking a parsed config
+
+
+def plugin_roles(cls: type[Plugin]) -> frozenset[str]:
+    """The scheduling roles a plugin class can play, from the methods it has: ``filter``,
+    ``scorer``, ``picker``, ``profile-handler``.  (The protocols have a ``name`` attribute,
+    so ``issubclass`` cannot check a class against them.)"""
+    roles = set()
+    if callable(getattr(cls, "filter", None)):
+        roles.add("filter")
+    if callable(getattr(cls, "score", None)):
+        roles.add("scorer")
+    if callable(getattr(cls, "pick", None)):
+        roles.add("picker")
+    if callable(getattr(cls, "pick_profiles", None)) and callable(
+        getattr(cls, "process_results", None)
+    ):
+        roles.add("profile-handler")
+    return frozenset(roles)
+
+
+_PROFILE_ROLES: Final = frozenset({"filter", "scorer", "picker"})
+
+
+def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> EndpointPickerConfig:
+    """Check what the models alone cannot (plugin types and parameters, references, roles)
+    and fill in the defaults.  Returns a new, complete config; idempotent."""
+    problems: list[str] = []
+    plugins: list[PluginSpec] = []
+    classes: dict[str, type[Plugin]] = {}  # name → class, for plugins whose type is known
+    first_index: dict[str, int] = {}
+    ignored: set[str] = set()
+
+    for index, spec in enumerate(config.plugins):
+        where = f"plugins[{index}]"
+        if spec.name in first_index:
+            problems.append(
+                f"{where}.name: duplicate plugin name {spec.name!r} (also plugins"
+                f"[{first_index[spec.name]}]); give each instance of a type its own name"
+            )
+            continue
+        first_index[spec.name] = index
+        if spec.type in IGNORED_PLUGIN_TYPES:
+            logger.warning(
+                "%s: ignoring %s (type %s): %s",
+                source,
+                where,
+                spec.type,
+                IGNORED_PLUGIN_TYPES[spec.type],
+            )
+            ignored.add(spec.name)
+            continue
+        try:
+            cls = plugin_class(spec.type)
+        except PluginConfigError:
+            problems.append(
+                f"{where}.type: unknown plugin type {spec.type!r}; known types: "
+                f"{', '.join(registered_types())}"
+            )
+            continue
+        try:
+            cls.Parameters.model_validate(spec.parameters)
+        except ValidationError as exc:
+            problems.extend(_describe(exc, cls.Parameters, f"{where}.parameters"))
+            continue
+        classes[spec.name] = cls
+        plugins.append(spec)
+
+    def roles_of(name: str) -> frozenset[str]:
+        cls = classes.get(name)
+        return plugin_roles(cls) if cls is not None else frozenset()
+
+    def has_type(name: str, type_name: str) -> bool:
+        cls = classes.get(name)
+        return cls is not None and cls.type_name == type_name
+
+    declared = list(dict.fromkeys(s.name for s in config.plugins if s.name not in ignored))
+    specs = list(config.schedulingProfiles)
+    synthesized = not specs
+    if synthesized:
+        in_default = [n for n in declared if roles_of(n) & _PROFILE_ROLES]
+        pickers = [n for n in in_default if "picker" in roles_of(n)]
+        if len(pickers) > 1:
+            problems.append(
+                f"schedulingProfiles: none given, so every declared filter, scorer and picker "
+                f"goes into one {DEFAULT_PROFILE!r} profile, but {len(pickers)} pickers are "
+                f"declared ({', '.join(pickers)}); declare one picker or write the profiles"
+            )
+        specs = [
+            SchedulingProfileSpec(
+                name=DEFAULT_PROFILE, plugins=[ProfilePluginRef(pluginRef=n) for n in in_default]
+            )
+        ]
+
+    profile_index: dict[str, int] = {}
+    profiles: list[SchedulingProfileSpec] = []
+    for p_index, profile in enumerate(specs):
+        where = f"schedulingProfiles[{p_index}]"
+        if profile.name in profile_index:
+            problems.append(
+                f"{where}.name: duplicate profile name {profile.name!r} "
+                f"(also schedulingProfiles[{profile_index[profile.name]}])"
+            )
+            continue
+        profile_index[profile.name] = p_index
+        refs: list[ProfilePluginRef] = []
+        pickers = []
+        seen_refs: set[str] = set()
+        for r_index, ref in enumerate(profile.plugins):
+            ref_where = f"{where}.plugins[{r_index}].pluginRef"
+            name = ref.pluginRef
+            if name in ignored:
+                problems.append(
+                    f"{ref_where}: {name!r} is a data-layer plugin this EPP ignores "
+                    f"({IGNORED_PLUGIN_TYPES.get(_type_of(config, name), '')}); remove it "
+                    "from the profile"
+                )
+                continue
+            if name not in first_index:
+                problems.append(
+                    f"{ref_where}: {name!r} is not a declared plugin; declared plugins: "
+                    f"{', '.join(declared) or '(none)'}"
+                )
+                continue
+            if name in seen_refs:
+                problems.append(f"{ref_where}: {name!r} is listed twice in this profile")
+                continue
+            seen_refs.add(name)
+            if name in classes:
+                roles = roles_of(name)
+                if not roles & _PROFILE_ROLES:
+                    problems.append(
+                        f"{ref_where}: {name!r} ({classes[name].type_name}) is not a filter, "
+                        "scorer or picker, so it cannot be part of a profile"
+                        + (
+                            "; profile handlers are declared in plugins only"
+                            if "profile-handler" in roles
+                            else "; it runs for every request once declared in plugins"
+                        )
+                    )
+                    continue
+                if "picker" in roles:
+                    pickers.append(name)
+            refs.append(ref)
+        if len(pickers) > 1 and not synthesized:  # else reported above
+            problems.append(
+                f"{where}.plugins: {len(pickers)} pickers ({', '.join(pickers)}); "
+                "a profile uses exactly one"
+            )
+        if not pickers:
+            picker = next((n for n in classes if has_type(n, DEFAULT_PICKER)), None)
+            if picker is None:
+                picker = _unused_name(DEFAULT_PICKER, first_index)
+                spec = PluginSpec(name=picker, type=DEFAULT_PICKER)
+                plugins.append(spec)
+                first_index[picker] = -1  # added by default: taken, but not in the file
+                classes[picker] = plugin_class(DEFAULT_PICKER)
+            refs.append(ProfilePluginRef(pluginRef=picker))
+        profiles.append(SchedulingProfileSpec(name=profile.name, plugins=refs))
+
+    handlers = [n for n in classes if "profile-handler" in roles_of(n)]
+    if len(handlers) > 1:
+        problems.append(
+            f"plugins: {len(handlers)} profile handlers ({', '.join(handlers)}); declare one"
+        )
+    elif not handlers:
+        if len(profiles) == 1:
+            name = _unused_name(DEFAULT_PROFILE_HANDLER, first_index)
+            plugins.append(PluginSpec(name=name, type=DEFAULT_PROFILE_HANDLER))
+        elif len(profiles) > 1:
+            problems.append(
+                f"plugins: {len(profiles)} scheduling profiles need a profile handler to choose "
+                f"between them; declare one ({DEFAULT_PROFILE_HANDLER} runs a single profile)"
+            )
+    else:
+        limit = getattr(classes[handlers[0]], "max_profiles", None)
+        if isinstance(limit, int) and len(profiles) > limit:
+            problems.append(
+                f"schedulingProfiles: {len(profiles)} profiles, but the profile handler "
+                f"{handlers[0]!r} ({classes[handlers[0]].type_name}) runs at most {limit}"
+            )
+
+    if problems:
+        raise ConfigError(source, problems)
+    return EndpointPickerConfig(
+        apiVersion=config.apiVersion,
+        kind=config.kind,
+        plugins=plugins,
+        schedulingProfiles=profiles,
+    )
+
+
+def _type_of(config: EndpointPickerConfig, name: str) -> str:
+    return next((spec.type for spec in config.plugins if spec.name == name), "")
+
+
+def _unused_name(base: str, taken: Mapping[str, object]) -> str:
+    name, suffix = base, 2
+    while name in taken:
+        name, suffix = f"{base}-{suffix}", suffix + 1
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the scheduler
+
+
+def build_scheduler(
+    config: EndpointPickerConfig,
+    context: PluginContext,
+    *,
+    on_plugin_duration: PluginDurationHook | None = None,
+    prepare_timeout: float | None = None,
+) -> Scheduler:
+    """Instantiate every declared plugin (``scorers.base.create_plugin``) and assemble the
+    profiles.  Accepts a config straight from `load_config` or built in code (it is completed
+    and checked again).  Raises `ConfigError`."""
+    config = resolve_config(config)
+    source = "<config>"
+    instances: dict[str, Plugin] = {}
+    problems: list[str] = []
+    for index, spec in enumerate(config.plugins):
+        try:
+            instances[spec.name] = create_plugin(spec.type, spec.name, spec.parameters, context)
+        except PluginConfigError as exc:
+            problems.append(f"plugins[{index}]: {exc}")
+        except Exception as exc:
+            raise ConfigError(
+                source, [f"plugins[{index}] ({spec.type} {spec.name!r}): failed to start: {exc!r}"]
+            ) from exc
+    if problems:
+        raise ConfigError(source, problems)
+
+    profiles = []
+    for profile in config.schedulingProfiles:
+        filters: list[Filter] = []
+        weighted: list[WeightedScorer] = []
+        picker: Picker | None = None
+        for ref in profile.plugins:
+            plugin: Any = instances[ref.pluginRef]
+            roles = plugin_roles(type(plugin))
+            if "filter" in roles:
+                filters.append(plugin)
+            if "scorer" in roles:
+                weighted.append(WeightedScorer(plugin, ref.weight))
+            if "picker" in roles:
+                picker = plugin
+        assert picker is not None  # resolve_config adds one
+        profiles.append(SchedulerProfile(profile.name, filters, weighted, picker))
+
+    handler = cast(
+        ProfileHandler,
+        next(p for p in instances.values() if "profile-handler" in plugin_roles(type(p))),
+    )
+    return Scheduler(
+        profiles,
+        handler,
+        instances.values(),
+        on_plugin_duration=on_plugin_duration,
+        prepare_timeout=prepare_timeout,
+    )
+
+
+__all__ = [
+    "API_VERSIONS",
+    "DEFAULT_CONFIG_YAML",
+    "IGNORED_PLUGIN_TYPES",
+    "IGNORED_TOP_LEVEL_KEYS",
+    "ConfigError",
+    "EndpointPickerConfig",
+    "PluginSpec",
+    "ProfilePluginRef",
+    "SchedulingProfileSpec",
+    "build_scheduler",
+    "load_config",
+    "parse_config",
+    "plugin_roles",
+    "resolve_config",
+]

@@ -1,0 +1,351 @@
+"""The scheduler: composes configured plugins into one decision per request.
+
+    schedule(request, candidates)
+      1. every DataProducer's ``prepare`` (concurrently; tokenizing, prefix lookups)
+      2. the profile handler picks profiles until it returns none; each profile runs
+         filters (in order) → scorers (clamped to [0, 1], × weight, summed) → picker
+      3. the profile handler's ``process_results`` → `SchedulingResult`
+      4. every PreRequest plugin (record routing history, session tokens)
+
+It knows nothing of gRPC or HTTP: failures are `scorers.base.SchedulingError`s carrying the HTTP
+status the ext_proc layer answers with (503 no candidates, 429 all filtered out).  Per-plugin
+latency goes to an optional ``on_plugin_duration(extension_point, plugin_type, plugin_name,
+seconds)`` hook, named after the Inference Extension's
+``inference_extension_plugin_duration_seconds`` labels.
+
+Built from an ``EndpointPickerConfig`` by `epp.config.build_scheduler`; tests and benchmarks may
+also assemble one by hand from plugin instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Final
+
+from scorers.base import (
+    AllEndpointsFilteredError,
+    DataProducer,
+    Endpoint,
+    EndpointListener,
+    Filter,
+    Lifecycle,
+    LLMRequest,
+    NoReadyEndpointsError,
+    Picker,
+    PreRequest,
+    ProfileHandler,
+    ProfileResult,
+    ResponseComplete,
+    SchedulingError,
+    SchedulingResult,
+    ScoredEndpoint,
+    Scorer,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+# Extension point names, as in the Inference Extension's plugin duration metric.
+DATA_PRODUCER: Final = "DataProducer"
+PROFILE_PICKER: Final = "ProfilePicker"
+FILTER: Final = "Filter"
+SCORER: Final = "Scorer"
+PICKER: Final = "Picker"
+PROCESS_PROFILES_RESULTS: Final = "ProcessProfilesResults"
+PRE_REQUEST: Final = "PreRequest"
+RESPONSE_COMPLETE: Final = "ResponseComplete"
+
+PluginDurationHook = Callable[[str, str, str, float], None]
+"""``(extension_point, plugin_type, plugin_name, seconds)``."""
+
+
+def plugin_type(plugin: object) -> str:
+    type_name = getattr(plugin, "type_name", "")
+    return type_name if isinstance(type_name, str) and type_name else type(plugin).__name__
+
+
+@dataclass(slots=True, frozen=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float = 1.0
+
+
+class SchedulerProfile:
+    """One scheduling profile: filters in order, weighted scorers, one picker."""
+
+    __slots__ = ("filters", "name", "picker", "scorers")
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[WeightedScorer],
+        picker: Picker,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+
+    def run(
+        self,
+        request: LLMRequest,
+        candidates: Sequence[Endpoint],
+        on_duration: PluginDurationHook | None = None,
+    ) -> ProfileResult:
+        endpoints: Sequence[Endpoint] = candidates
+        for plugin in self.filters:
+            start = perf_counter()
+            endpoints = plugin.filter(request, endpoints)
+            if on_duration is not None:
+                on_duration(FILTER, plugin_type(plugin), plugin.name, perf_counter() - start)
+            if not endpoints:
+                raise AllEndpointsFilteredError(
+                    f"filter {plugin.name!r} ({plugin_type(plugin)}) in scheduling profile "
+                    f"{self.name!r} removed every candidate endpoint"
+                )
+
+        totals = dict.fromkeys((e.address for e in endpoints), 0.0)
+        for weighted in self.scorers:
+            scorer = weighted.scorer
+            start = perf_counter()
+            scores = scorer.score(request, endpoints)
+            if on_duration is not None:
+                on_duration(SCORER, plugin_type(scorer), scorer.name, perf_counter() - start)
+            weight = weighted.weight
+            for address, score in scores.items():
+                # Clamp to [0, 1]; NaN fails `> 0` and counts as 0.  Addresses that are not
+                # candidates are ignored, candidates a scorer left out score 0.
+                if score > 0.0 and address in totals:
+                    totals[address] += weight * (1.0 if score > 1.0 else score)
+
+        scored = [ScoredEndpoint(e, totals[e.address]) for e in endpoints]
+        picker = self.picker
+        start = perf_counter()
+        targets = picker.pick(request, scored)
+        if on_duration is not None:
+            on_duration(PICKER, plugin_type(picker), picker.name, perf_counter() - start)
+        if not targets:
+            raise SchedulingError(
+                f"picker {picker.name!r} ({plugin_type(picker)}) in scheduling profile "
+                f"{self.name!r} returned no endpoint out of {len(scored)}"
+            )
+        return ProfileResult(targets=tuple(targets), scores=totals)
+
+
+class Scheduler:
+    """Runs the profiles of one configuration for each request; see the module docstring.
+
+    ``plugins`` is every configured plugin instance (the profile handler and the plugins used in
+    profiles are added if missing); the role lists below are derived from it for the server to
+    wire: ``response_complete_plugins`` to the response path, ``endpoint_listeners`` to the
+    datastore, ``lifecycle_plugins`` to server start and stop.
+
+    ``prepare_timeout`` bounds the data producers (the Inference Extension uses 400 ms): on
+    expiry scheduling continues with whatever they produced.  A producer that raises is logged
+    and skipped, unless it raises a `SchedulingError`, which fails the request with its status.
+    """
+
+    def __init__(
+        self,
+        profiles: Sequence[SchedulerProfile],
+        profile_handler: ProfileHandler,
+        plugins: Iterable[object] = (),
+        *,
+        on_plugin_duration: PluginDurationHook | None = None,
+        prepare_timeout: float | None = None,
+    ) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one scheduling profile")
+        self.profiles: Mapping[str, SchedulerProfile] = {p.name: p for p in profiles}
+        if len(self.profiles) != len(profiles):
+            raise ValueError("scheduling profile names must be unique")
+        self.profile_names: tuple[str, ...] = tuple(self.profiles)
+        self.profile_handler = profile_handler
+        self.on_plugin_duration = on_plugin_duration
+        self.prepare_timeout = prepare_timeout
+
+        everything: dict[int, object] = {id(p): p for p in plugins}
+        everything.setdefault(id(profile_handler), profile_handler)
+        for profile in profiles:
+            for plugin in (*profile.filters, *(w.scorer for w in profile.scorers), profile.picker):
+                everything.setdefault(id(plugin), plugin)
+        self.plugins: tuple[object, ...] = tuple(everything.values())
+        self.data_producers = tuple(p for p in self.plugins if isinstance(p, DataProducer))
+        self.pre_request_plugins = tuple(p for p in self.plugins if isinstance(p, PreRequest))
+        self.response_complete_plugins = tuple(
+            p for p in self.plugins if isinstance(p, ResponseComplete)
+        )
+        self.endpoint_listeners = tuple(p for p in self.plugins if isinstance(p, EndpointListener))
+        self.lifecycle_plugins = tuple(p for p in self.plugins if isinstance(p, Lifecycle))
+
+    def plugin(self, name: str) -> object | None:
+        """The configured plugin instance called ``name``, if any."""
+        for plugin in self.plugins:
+            if getattr(plugin, "name", None) == name:
+                return plugin
+        return None
+
+    # -- the request path ----------------------------------------------------------------------
+
+    async def schedule(
+        self, request: LLMRequest, candidates: Sequence[Endpoint]
+    ) -> SchedulingResult:
+        """The whole decision: prepare, run profiles, run PreRequest plugins.
+
+        Raises `NoReadyEndpointsError` (503) for an empty candidate list,
+        `AllEndpointsFilteredError` (429) when a profile's filters leave nothing."""
+        if not candidates:
+            raise NoReadyEndpointsError(
+                "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
+            )
+        await self.prepare(request, candidates)
+        result = self.run_profiles(request, candidates)
+        self.run_pre_request(request, result)
+        return result
+
+    async def prepare(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
+        """Await every DataProducer, concurrently."""
+        producers = self.data_producers
+        if not producers:
+            return
+        work: Any
+        if len(producers) == 1:
+            work = self._produce(producers[0], request, candidates)
+        else:
+            work = asyncio.gather(*(self._produce(p, request, candidates) for p in producers))
+        if self.prepare_timeout is None:
+            await work
+            return
+        try:
+            await asyncio.wait_for(work, self.prepare_timeout)
+        except TimeoutError:
+            logger.warning(
+                "request %s: data producers did not finish within %.3f s; scheduling without "
+                "their remaining data",
+                request.request_id,
+                self.prepare_timeout,
+            )
+
+    async def _produce(
+        self, producer: DataProducer, request: LLMRequest, candidates: Sequence[Endpoint]
+    ) -> None:
+        start = perf_counter()
+        try:
+            await producer.prepare(request, candidates)
+        except SchedulingError:
+            raise
+        except Exception:
+            logger.exception(
+                "request %s: data producer %r (%s) failed; scheduling continues without its data",
+                request.request_id,
+                producer.name,
+                plugin_type(producer),
+            )
+        finally:
+            self._record(DATA_PRODUCER, producer, perf_counter() - start)
+
+    def run_profiles(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
+        """The synchronous core (no producers, no PreRequest): profile handler loop, then
+        ``process_results``.  This is what the scheduling benchmark times."""
+        if not candidates:
+            raise NoReadyEndpointsError(
+                "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
+            )
+        handler = self.profile_handler
+        hook = self.on_plugin_duration
+        results: dict[str, ProfileResult] = {}
+        while True:
+            start = perf_counter()
+            chosen = handler.pick_profiles(request, self.profile_names, results)
+            self._record(PROFILE_PICKER, handler, perf_counter() - start)
+            if not chosen:
+                break
+            for name in chosen:
+                profile = self.profiles.get(name)
+                if profile is None:
+                    raise SchedulingError(
+                        f"profile handler {handler.name!r} chose unknown scheduling profile "
+                        f"{name!r} (configured: {', '.join(self.profile_names)})"
+                    )
+                if name in results:
+                    raise SchedulingError(
+                        f"profile handler {handler.name!r} chose scheduling profile {name!r} "
+                        "a second time"
+                    )
+                results[name] = profile.run(request, candidates, hook)
+        start = perf_counter()
+        result = handler.process_results(request, results)
+        self._record(PROCESS_PROFILES_RESULTS, handler, perf_counter() - start)
+        return result
+
+    def run_pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """Every PreRequest plugin, in configuration order.  A failing plugin is logged and
+        does not stop the request: the decision is already made."""
+        for plugin in self.pre_request_plugins:
+            start = perf_counter()
+            try:
+                plugin.pre_request(request, result)
+            except Exception:
+                logger.exception(
+                    "request %s: PreRequest plugin %r (%s) failed",
+                    request.request_id,
+                    plugin.name,
+                    plugin_type(plugin),
+                )
+            self._record(PRE_REQUEST, plugin, perf_counter() - start)
+
+    # -- the other extension points, for the server to call --------------------------------------
+
+    def run_response_complete(
+        self, request: LLMRequest, endpoint: str, usage: Usage | None
+    ) -> None:
+        """Every ResponseComplete plugin; failures are logged, never raised."""
+        for plugin in self.response_complete_plugins:
+            start = perf_counter()
+            try:
+                plugin.response_complete(request, endpoint, usage)
+            except Exception:
+                logger.exception(
+                    "request %s: ResponseComplete plugin %r (%s) failed",
+                    request.request_id,
+                    plugin.name,
+                    plugin_type(plugin),
+                )
+            self._record(RESPONSE_COMPLETE, plugin, perf_counter() - start)
+
+    def endpoint_added(self, endpoint: Endpoint) -> None:
+        for listener in self.endpoint_listeners:
+            try:
+                listener.endpoint_added(endpoint)
+            except Exception:
+                logger.exception("endpoint listener %r failed on %s", listener.name, endpoint)
+
+    def endpoint_removed(self, endpoint: Endpoint) -> None:
+        for listener in self.endpoint_listeners:
+            try:
+                listener.endpoint_removed(endpoint)
+            except Exception:
+                logger.exception("endpoint listener %r failed on %s", listener.name, endpoint)
+
+    async def start(self) -> None:
+        """Start the plugins with background work, in configuration order."""
+        for plugin in self.lifecycle_plugins:
+            await plugin.start()
+
+    async def stop(self) -> None:
+        """Stop them in reverse order; every plugin gets its stop even if one fails."""
+        for plugin in reversed(self.lifecycle_plugins):
+            try:
+                await plugin.stop()
+            except Exception:
+                logger.exception("plugin %r failed to stop", plugin.name)
+
+    def _record(self, extension_point: str, plugin: Any, seconds: float) -> None:
+        hook = self.on_plugin_duration
+        if hook is not None:
+            hook(extension_point, plugin_type(plugin), plugin.name, seconds)

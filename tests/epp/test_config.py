@@ -1,0 +1,643 @@
+"""EndpointPickerConfig: both apiVersions, the defaults, and every error path."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from epp.config import (
+    DEFAULT_CONFIG_YAML,
+    ConfigError,
+    EndpointPickerConfig,
+    PluginSpec,
+    ProfilePluginRef,
+    SchedulingProfileSpec,
+    build_scheduler,
+    load_config,
+    plugin_roles,
+)
+from epp.scheduler import Scheduler
+from scorers.base import Plugin, PluginContext, register
+from scorers.load import QueueScorer
+from scorers.pickers import MaxScorePicker
+from scorers.prefix_approx import PrefixCacheScorer
+from scorers.profiles import SingleProfileHandler
+from tests.scorers.plugin_helpers import context, endpoint, request
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+def load(body: str, header: str = HEADER) -> EndpointPickerConfig:
+    return load_config(text=header + textwrap.dedent(body))
+
+
+def problems(body: str, header: str = HEADER) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        load(body, header)
+    return info.value.problems
+
+
+def layout(config: EndpointPickerConfig) -> dict[str, list[tuple[str, float]]]:
+    return {
+        p.name: [(ref.pluginRef, ref.weight) for ref in p.plugins]
+        for p in config.schedulingProfiles
+    }
+
+
+def types(config: EndpointPickerConfig) -> dict[str, str]:
+    return {spec.name: spec.type for spec in config.plugins}
+
+
+# ------------------------------------------------------------------------------------------
+# Loading and defaults
+
+
+def test_no_file_gives_the_inference_extension_default() -> None:
+    config = load_config()
+    assert layout(config) == {
+        "default": [
+            ("queue-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 2.0),
+            ("prefix-cache-scorer", 3.0),
+            ("max-score-picker", 1.0),
+        ]
+    }
+    assert types(config)["single-profile-handler"] == "single-profile-handler"
+    assert "precise-prefix-cache-scorer" not in DEFAULT_CONFIG_YAML
+    scheduler = build_scheduler(config, context())
+    assert isinstance(scheduler, Scheduler)
+    assert scheduler.profile_names == ("default",)
+    assert isinstance(scheduler.profile_handler, SingleProfileHandler)
+    profile = scheduler.profiles["default"]
+    assert [w.weight for w in profile.scorers] == [2.0, 2.0, 3.0]
+    assert isinstance(profile.picker, MaxScorePicker)
+
+
+@pytest.mark.parametrize(
+    "api_version", ["inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1"]
+)
+def test_both_api_versions(api_version: str) -> None:
+    config = load(
+        "plugins:\n- type: queue-scorer\n",
+        f"apiVersion: {api_version}\nkind: EndpointPickerConfig\n",
+    )
+    assert config.apiVersion == api_version
+
+
+def test_load_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "epp.yaml"
+    path.write_text(HEADER + "plugins:\n- type: random-picker\n")
+    config = load_config(path)
+    assert layout(config) == {"default": [("random-picker", 1.0)]}
+    assert load_config(str(path)) == config
+
+
+def test_no_profiles_means_one_default_profile_with_every_filter_scorer_picker() -> None:
+    config = load(
+        """
+        plugins:
+        - type: decode-filter
+        - type: prefix-cache-scorer
+          parameters: {blockSize: 32}
+        - name: q
+          type: queue-scorer
+        - type: weighted-random-picker
+        """
+    )
+    assert layout(config) == {
+        "default": [
+            ("decode-filter", 1.0),
+            ("prefix-cache-scorer", 1.0),
+            ("q", 1.0),
+            ("weighted-random-picker", 1.0),
+        ]
+    }
+    assert types(config)["single-profile-handler"] == "single-profile-handler"
+    assert types(config)["q"] == "queue-scorer"
+
+
+def test_profile_without_picker_gets_max_score_picker() -> None:
+    config = load(
+        """
+        plugins:
+        - type: queue-scorer
+        schedulingProfiles:
+        - name: main
+          plugins:
+          - pluginRef: queue-scorer
+            weight: 0.5
+        """
+    )
+    assert layout(config) == {"main": [("queue-scorer", 0.5), ("max-score-picker", 1.0)]}
+    assert types(config) == {
+        "queue-scorer": "queue-scorer",
+        "max-score-picker": "max-score-picker",
+        "single-profile-handler": "single-profile-handler",
+    }
+
+
+def test_declared_max_score_picker_is_reused_when_a_profile_lists_none() -> None:
+    config = load(
+        """
+        plugins:
+        - name: best
+          type: max-score-picker
+          parameters: {maxNumOfEndpoints: 3}
+        - type: queue-scorer
+        schedulingProfiles:
+        - name: main
+          plugins: [{pluginRef: queue-scorer}]
+        """
+    )
+    assert layout(config) == {"main": [("queue-scorer", 1.0), ("best", 1.0)]}
+    assert build_scheduler(config, context()).profiles["main"].picker.max_endpoints == 3
+
+
+def test_same_type_twice_with_distinct_names() -> None:
+    config = load(
+        """
+        plugins:
+        - {name: short, type: prefix-cache-scorer, parameters: {blockSize: 16}}
+        - {name: long, type: prefix-cache-scorer, parameters: {hashBlockSize: 256}}
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: short, weight: 1}, {pluginRef: long, weight: 2}]
+        """
+    )
+    scheduler = build_scheduler(config, context())
+    short, long = (w.scorer for w in scheduler.profiles["default"].scorers)
+    assert isinstance(short, PrefixCacheScorer) and isinstance(long, PrefixCacheScorer)
+    assert (short.block_size, long.block_size) == (16, 256)
+
+
+def test_empty_lists_and_null_parameters_are_accepted() -> None:
+    config = load("plugins:\n- type: queue-scorer\n  parameters:\nschedulingProfiles:\n")
+    assert layout(config) == {"default": [("queue-scorer", 1.0), ("max-score-picker", 1.0)]}
+
+
+def test_resolving_is_idempotent() -> None:
+    config = load_config()
+    scheduler = build_scheduler(config, context())  # resolves again
+    assert len(scheduler.plugins) == len(config.plugins)
+
+
+def test_inference_extension_helm_default_loads_unchanged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """GIE-final `config/charts/epplib/templates/_config.yaml` (anchors §3.2)."""
+    with caplog.at_level(logging.WARNING):
+        config = load(
+            """
+            plugins:
+            - type: queue-scorer
+            - type: kv-cache-utilization-scorer
+            - type: prefix-cache-scorer
+            - type: metrics-data-source
+              parameters: { scheme: "http", path: "/metrics", insecureSkipVerify: true }
+            - type: core-metrics-extractor
+            schedulingProfiles:
+            - name: default
+              plugins:
+              - pluginRef: queue-scorer
+                weight: 2
+              - pluginRef: kv-cache-utilization-scorer
+                weight: 2
+              - pluginRef: prefix-cache-scorer
+                weight: 3
+            """
+        )
+    assert config.model_dump() == load_config().model_dump()
+    assert "metrics-data-source" in caplog.text and "core-metrics-extractor" in caplog.text
+
+
+def test_llm_d_style_config_with_old_names() -> None:
+    """llm-d v0.3's precise example (anchors §3.2) with the approximate scorer in place of the
+    precise one: old type names, float weights, handler and picker declared."""
+    config = load(
+        """
+        plugins:
+          - type: single-profile-handler
+          - type: decode-filter
+          - type: prefix-cache-scorer
+          - type: kv-cache-scorer # kv-cache-utilization
+          - type: queue-scorer
+          - type: max-score-picker
+        schedulingProfiles:
+          - name: default
+            plugins:
+              - pluginRef: decode-filter
+              - pluginRef: prefix-cache-scorer
+                weight: 2.0
+              - pluginRef: kv-cache-scorer
+                weight: 1.0
+              - pluginRef: queue-scorer
+                weight: 1.0
+              - pluginRef: max-score-picker
+        """,
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n",
+    )
+    scheduler = build_scheduler(config, context())
+    profile = scheduler.profiles["default"]
+    assert [f.name for f in profile.filters] == ["decode-filter"]
+    assert [(w.scorer.name, w.weight) for w in profile.scorers] == [
+        ("prefix-cache-scorer", 2.0),
+        ("kv-cache-scorer", 1.0),
+        ("queue-scorer", 1.0),
+    ]
+
+
+def test_tolerated_top_level_keys_are_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = load(
+            """
+            featureGates: [prepareDataPlugins]
+            dataLayer: {sources: []}
+            saturationDetector: {queueDepthThreshold: 5}
+            plugins:
+            - type: queue-scorer
+            """
+        )
+    assert layout(config)["default"][0] == ("queue-scorer", 1.0)
+    for key in ("featureGates", "dataLayer", "saturationDetector"):
+        assert f"ignoring top-level key '{key}'" in caplog.text
+
+
+async def test_built_scheduler_schedules() -> None:
+    scheduler = build_scheduler(load_config(), context())
+    eps = [endpoint("a:1", waiting=3), endpoint("b:1", waiting=0), endpoint("c:1", waiting=1)]
+    result = await scheduler.schedule(request(prompt="hello " * 40), eps)
+    assert [e.address for e in result.targets] == ["b:1"]
+
+
+def test_config_built_in_code_gets_defaults() -> None:
+    config = EndpointPickerConfig(
+        apiVersion="llm-d.ai/v1alpha1",
+        kind="EndpointPickerConfig",
+        plugins=[PluginSpec(name="q", type="queue-scorer")],
+        schedulingProfiles=[
+            SchedulingProfileSpec(name="p", plugins=[ProfilePluginRef(pluginRef="q", weight=2)])
+        ],
+    )
+    scheduler = build_scheduler(config, context())
+    assert isinstance(scheduler.profiles["p"].scorers[0].scorer, QueueScorer)
+    assert isinstance(scheduler.profiles["p"].picker, MaxScorePicker)
+
+
+def test_plugin_roles() -> None:
+    assert plugin_roles(QueueScorer) == {"scorer"}
+    assert plugin_roles(MaxScorePicker) == {"picker"}
+    assert plugin_roles(SingleProfileHandler) == {"profile-handler"}
+    assert plugin_roles(PrefixCacheScorer) == {"scorer"}
+
+
+# ------------------------------------------------------------------------------------------
+# Errors: one exception type, every problem with the path of the field
+
+
+def test_yaml_syntax_error_gives_line_and_column() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(text=HEADER + "plugins:\n- type: queue-scorer\n   name: x\n")
+    (problem,) = info.value.problems
+    assert problem == "YAML syntax error at line 5, column 8: mapping values are not allowed here"
+    assert str(info.value).startswith("<config text>: invalid EndpointPickerConfig: YAML")
+
+
+def test_duplicate_yaml_key_is_an_error() -> None:
+    (problem,) = problems("plugins:\n- type: queue-scorer\n  type: kv-cache-scorer\n")
+    assert problem == (
+        "YAML syntax error at line 5, column 3: found duplicate key 'type' "
+        "(while constructing a mapping)"
+    )
+
+
+def test_unknown_plugin_type() -> None:
+    (problem,) = problems("plugins:\n- type: queue-scorer\n- type: precise-prefix-cache-scorerz\n")
+    assert problem.startswith(
+        "plugins[1].type: unknown plugin type 'precise-prefix-cache-scorerz'; known types: "
+    )
+    assert "queue-scorer" in problem
+
+
+def test_bad_parameter_names_its_path() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: queue-scorer
+        - type: max-score-picker
+        - type: load-aware-scorer
+          parameters:
+            threshold: 0
+        """
+    )
+    assert found == ("plugins[2].parameters.threshold: Input should be greater than 0 (got 0)",)
+
+
+def test_nested_parameter_errors_name_their_paths() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: label-selector-filter
+          parameters:
+            matchExpressions:
+            - {key: tier, operator: In}
+            - {key: gpu, operator: Maybe}
+            matchLabel: {a: b}
+        """
+    )
+    assert found == (
+        "plugins[0].parameters.matchExpressions[0]: operator In needs a non-empty 'values' list",
+        "plugins[0].parameters.matchExpressions[1].operator: Input should be 'In', 'NotIn', "
+        "'Exists' or 'DoesNotExist' (got 'Maybe')",
+        "plugins[0].parameters.matchLabel: unknown key; expected one of: matchLabels, "
+        "matchExpressions",
+    )
+
+
+def test_parameter_of_wrong_type() -> None:
+    (problem,) = problems("plugins:\n- type: prefix-cache-scorer\n  parameters: {blockSize: big}\n")
+    assert problem.startswith("plugins[0].parameters.blockSize: Input should be a valid integer")
+
+
+def test_undeclared_plugin_ref() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: queue-scorer
+        schedulingProfiles:
+        - name: default
+          plugins:
+          - pluginRef: queue-scorer
+          - pluginRef: foo
+        """
+    )
+    assert found == (
+        "schedulingProfiles[0].plugins[1].pluginRef: 'foo' is not a declared plugin; "
+        "declared plugins: queue-scorer",
+    )
+
+
+def test_duplicate_plugin_names() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: queue-scorer
+        - type: kv-cache-scorer
+        - type: queue-scorer
+        """
+    )
+    assert found == (
+        "plugins[2].name: duplicate plugin name 'queue-scorer' (also plugins[0]); give each "
+        "instance of a type its own name",
+    )
+
+
+def test_negative_weight() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: queue-scorer
+        schedulingProfiles:
+        - name: default
+          plugins:
+          - pluginRef: queue-scorer
+            weight: -1
+        """
+    )
+    assert found == (
+        "schedulingProfiles[0].plugins[0].weight: Input should be greater than or equal to 0 "
+        "(got -1)",
+    )
+
+
+@pytest.mark.parametrize("weight", [".nan", ".inf", "heavy"])
+def test_weight_must_be_a_finite_number(weight: str) -> None:
+    found = problems(
+        f"plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+        f"  - {{pluginRef: queue-scorer, weight: {weight}}}\n"
+    )
+    assert len(found) == 1
+    assert found[0].startswith("schedulingProfiles[0].plugins[0].weight: ")
+
+
+def test_unknown_keys_are_rejected_with_what_is_allowed() -> None:
+    found = problems(
+        """
+        plugin:
+        - type: queue-scorer
+        plugins:
+        - type: queue-scorer
+          params: {}
+        schedulingProfiles:
+        - name: default
+          plugins:
+          - pluginRef: queue-scorer
+            wieght: 2
+        """
+    )
+    assert found == (
+        "plugins[0].params: unknown key; expected one of: name, type, parameters",
+        "schedulingProfiles[0].plugins[0].wieght: unknown key; expected one of: pluginRef, weight",
+        "plugin: unknown key; expected one of: apiVersion, kind, plugins, schedulingProfiles",
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (
+            "apiVersion: v1\nkind: EndpointPickerConfig\n",
+            "apiVersion: Input should be 'inference.networking.x-k8s.io/v1alpha1' or "
+            "'llm-d.ai/v1alpha1' (got 'v1')",
+        ),
+        (
+            "apiVersion: llm-d.ai/v1alpha1\nkind: InferencePool\n",
+            "kind: Input should be 'EndpointPickerConfig' (got 'InferencePool')",
+        ),
+        ("kind: EndpointPickerConfig\n", "apiVersion: required field is missing"),
+    ],
+)
+def test_api_version_and_kind(header: str, expected: str) -> None:
+    assert problems("plugins: []\n", header) == (expected,)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "the document is empty"),
+        ("# only a comment\n", "the document is empty"),
+        ("- a\n- b\n", "the document must be a mapping"),
+        ("plugins", "the document must be a mapping"),
+    ],
+)
+def test_not_a_config_document(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config(text=text)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(info.value) == (
+        f"{missing}: invalid EndpointPickerConfig: cannot read the file: No such file or directory"
+    )
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(HEADER + "plugins:\n- type: nope\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: invalid EndpointPickerConfig: plugins\[0\]"):
+        load_config(path)
+
+
+def test_path_and_text_together() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        load_config("x.yaml", text=HEADER)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(
+            """
+            plugins:
+            - type: nope
+            - type: load-aware-scorer
+              parameters: {threshold: -3}
+            - type: queue-scorer
+            - {name: queue-scorer, type: kv-cache-scorer}
+            schedulingProfiles:
+            - name: default
+              plugins: [{pluginRef: missing}]
+            """
+        )
+    assert len(info.value.problems) == 4
+    assert "(4 problems):\n  plugins[0].type" in str(info.value)
+
+
+def test_two_pickers_in_a_profile() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: max-score-picker
+        - type: random-picker
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: max-score-picker}, {pluginRef: random-picker}]
+        """
+    )
+    assert found == (
+        "schedulingProfiles[0].plugins: 2 pickers (max-score-picker, random-picker); a profile "
+        "uses exactly one",
+    )
+
+
+def test_two_pickers_and_no_profiles() -> None:
+    (problem,) = problems("plugins:\n- type: max-score-picker\n- type: random-picker\n")
+    assert problem.startswith("schedulingProfiles: none given, so every declared filter")
+
+
+def test_several_profiles_need_a_handler() -> None:
+    profiles = (
+        "schedulingProfiles:\n"
+        "- {name: prefill, plugins: [{pluginRef: queue-scorer}]}\n"
+        "- {name: decode, plugins: [{pluginRef: queue-scorer}]}\n"
+    )
+    assert problems("plugins: [{type: queue-scorer}]\n" + profiles) == (
+        "plugins: 2 scheduling profiles need a profile handler to choose between them; "
+        "declare one (single-profile-handler runs a single profile)",
+    )
+    with_handler = "plugins: [{type: queue-scorer}, {type: single-profile-handler}]\n" + profiles
+    assert problems(with_handler) == (
+        "schedulingProfiles: 2 profiles, but the profile handler 'single-profile-handler' "
+        "(single-profile-handler) runs at most 1",
+    )
+
+
+def test_profile_handler_cannot_be_in_a_profile() -> None:
+    (problem,) = problems(
+        """
+        plugins:
+        - type: single-profile-handler
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: single-profile-handler}]
+        """
+    )
+    assert problem == (
+        "schedulingProfiles[0].plugins[0].pluginRef: 'single-profile-handler' "
+        "(single-profile-handler) is not a filter, scorer or picker, so it cannot be part of a "
+        "profile; profile handlers are declared in plugins only"
+    )
+
+
+def test_two_profile_handlers() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: single-profile-handler
+        - {name: other, type: single-profile-handler}
+        """
+    )
+    assert found == ("plugins: 2 profile handlers (single-profile-handler, other); declare one",)
+
+
+def test_duplicate_profiles_and_refs() -> None:
+    found = problems(
+        """
+        plugins:
+        - type: queue-scorer
+        - type: single-profile-handler
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: queue-scorer}, {pluginRef: queue-scorer, weight: 2}]
+        - name: default
+        """
+    )
+    assert found == (
+        "schedulingProfiles[0].plugins[1].pluginRef: 'queue-scorer' is listed twice in this "
+        "profile",
+        "schedulingProfiles[1].name: duplicate profile name 'default' (also schedulingProfiles[0])",
+    )
+
+
+def test_ignored_plugin_type_cannot_be_in_a_profile() -> None:
+    (problem,) = problems(
+        """
+        plugins:
+        - type: metrics-data-source
+        schedulingProfiles:
+        - name: default
+          plugins: [{pluginRef: metrics-data-source}]
+        """
+    )
+    assert problem.startswith(
+        "schedulingProfiles[0].plugins[0].pluginRef: 'metrics-data-source' is a data-layer plugin"
+    )
+
+
+class _ExplodingParameters(BaseModel):
+    pass
+
+
+@register("test-exploding-scorer")
+class _ExplodingScorer(Plugin):
+    Parameters = _ExplodingParameters
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        raise RuntimeError("no GPU today")
+
+    def score(self, request: Any, endpoints: Any) -> dict[str, float]:
+        return {}
+
+
+def test_plugin_that_fails_to_start() -> None:
+    config = load("plugins:\n- type: test-exploding-scorer\n")
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(test-exploding-scorer .*no GPU today"):
+        build_scheduler(config, context())
