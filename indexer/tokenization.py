@@ -1,0 +1,1067 @@
+"""Prompt tokenization exactly as vLLM does it, with an exact cache of tokenization work.
+
+What vLLM does (paths in the vLLM repository; read on its main branch, the 0.3x line):
+
+* ``/v1/completions``: a text prompt is tokenized with ``add_special_tokens=True``
+  (``CompletionRequest.add_special_tokens`` defaults to True; ``BaseRenderer.default_cmpl_tok_params``
+  in ``vllm/renderers/base.py``); a prompt given as token ids is passed through as is.
+* ``/v1/chat/completions``: the messages are first normalised (``parse_chat_messages`` in
+  ``vllm/entrypoints/chat_utils.py``): each message keeps only ``role``, ``content`` and a few known
+  fields; text content parts are joined with ``"\\n"`` when the template wants a string, or kept as
+  ``[{"type": "text", "text": ...}]`` when the template iterates over ``message['content']`` (the
+  "openai" content format, detected from the template's Jinja AST in ``vllm/renderers/hf.py``);
+  tool-call arguments are parsed from JSON. The template is rendered by transformers'
+  ``apply_chat_template`` with ``add_generation_prompt`` / ``continue_final_message`` /
+  ``documents`` / ``reasoning_effort`` merged over ``chat_template_kwargs``
+  (``ChatCompletionRequest.build_chat_params``, ``merge_kwargs`` in ``vllm/renderers/params.py``),
+  and the text is tokenized with ``add_special_tokens=False`` by default
+  (``ChatCompletionRequest.add_special_tokens``), because the template already writes BOS.
+
+We call the same transformers function on the same tokenizer files, so the result is exact as long
+as the EPP runs the transformers version the pods run (templates render through
+``transformers.utils.chat_template_utils``, which changes between releases).
+
+The cache (a segment cache: the "prefix cache" of tokenization work)
+--------------------------------------------------------------------
+BPE output is not additive over arbitrary splits of a text, but it is at the boundaries of added
+tokens. A Hugging Face fast tokenizer first cuts the text at every occurrence of an added token
+that is matched on the raw text (``normalized=False``; leftmost-longest, non-overlapping), and only
+then normalises, pre-tokenizes and runs the model on each piece separately. So the ids of a text are
+the concatenation, in order, of the added tokens' ids and the ids of each piece between them
+tokenized alone. We reproduce that cut with a regex over the same token strings (alternatives
+sorted longest first, which makes Python's leftmost-first alternation leftmost-longest) and cache
+the ids of each piece in a bounded LRU keyed by the piece's text. A shared system prompt, tool
+block or earlier turn is therefore tokenized once; a new request tokenizes only its new pieces.
+
+The argument needs the per-piece pipeline to be context-free, so the cache switches itself off (and
+every call tokenizes the whole text) when the tokenizer has a normalizer, an added token with
+``lstrip``/``rstrip``/``single_word``, a pre-tokenizer that depends on the position of a piece
+(``Metaspace`` prepending only to the first piece, ``ByteLevel`` with ``add_prefix_space``, or any
+type not known to be context-free), BPE dropout, or ``encode_special_tokens``.
+`PromptTokenizer.cache_disabled_reason` says which. ``add_special_tokens=True`` adds the
+post-processor's fixed prefix and suffix (BOS for Llama-3), measured once at load and verified on
+probe texts; if they are not fixed, those calls are not cached either. Optionally
+(``verify_every=N``), every N-th cached call is checked against a whole-text tokenization and a
+mismatch turns the cache off for good.
+
+Everything here is synchronous and safe to call from several worker threads at once: the Rust
+tokenizer is only read after loading, and the cache has its own lock.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from indexer.errors import TokenizationError
+
+logger = logging.getLogger(__name__)
+
+ContentFormat = Literal["string", "openai"]
+ContentFormatOption = Literal["auto", "string", "openai"]
+
+DEFAULT_CACHE_MAX_TOKENS: Final = 1 << 20
+"""Tokens held by one tokenizer's segment cache (about 8 bytes each, plus the texts)."""
+
+_TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_REPO_ID: Final = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+_JINJA_CHARS: Final = frozenset("{}\n")
+
+# Content parts (vllm/entrypoints/chat_utils.py, `MM_PARSER_MAP` and
+# `_parse_chat_message_content_part`): these carry text, under the given key.
+_TEXT_PART_KEYS: Final = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_SKIP_WHEN_NONE: Final = frozenset({"text", "refusal"})  # `PART_TYPES_TO_SKIP_NONE_CONTENT`
+# Keys that mark a media part sent without "type", in the order vLLM checks them.
+_MEDIA_KEYS: Final = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+_MEDIA_PART_TYPES: Final = frozenset({*_MEDIA_KEYS, "input_image"})
+# Values vLLM's `merge_kwargs` treats as "not set" when request fields override template kwargs.
+_UNSET: Final = (None, "auto")
+_FORBIDDEN_TEMPLATE_KWARGS: Final = ("chat_template", "tokenize")
+
+_CONTEXT_FREE_PRE_TOKENIZERS: Final = frozenset(
+    {"Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
+    | {"UnicodeScripts", "CharDelimiterSplit"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizationStats:
+    """Counters of one `PromptTokenizer` since it was loaded."""
+
+    cache_hits: int
+    """Text segments whose ids came from the cache."""
+    cache_misses: int
+    """Text segments that had to be tokenized (then cached)."""
+    cached_tokens: int
+    """Tokens served from the cache."""
+    encoded_tokens: int
+    """Tokens produced by the tokenizer itself (cache misses and uncached calls)."""
+    uncached_calls: int
+    """Whole-text tokenizations, made because the cache is off for this tokenizer or call."""
+    verify_failures: int
+    """Cached results that differed from a whole-text tokenization (each turns the cache off)."""
+    cache_entries: int
+    cache_size_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSource:
+    """Where a model's tokenizer comes from, plus the vLLM serving options that change prompts."""
+
+    path: str
+    """A local directory, or a Hugging Face repo id already in the local cache (never downloaded)."""
+    chat_template: str | None = None
+    """vLLM's ``--chat-template``: a template, or the path of a file holding one."""
+    content_format: ContentFormatOption = "auto"
+    """vLLM's ``--chat-template-content-format``."""
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """vLLM's ``--default-chat-template-kwargs``."""
+
+
+def load_hf_tokenizer(source: str | os.PathLike[str], *, model: str | None = None) -> Any:
+    """Load a fast transformers tokenizer from a directory or the local HF cache, offline.
+
+    ``local_files_only=True`` keeps transformers and huggingface_hub off the network without
+    touching the process-wide ``HF_HUB_OFFLINE``.
+    """
+    label = f"model {model!r}" if model else "tokenizer"
+    text = os.fspath(source)
+    path = Path(text).expanduser()
+    from_directory = path.is_dir()
+    if from_directory:
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise TokenizationError(
+                f"{label}: {path} holds no tokenizer files (expected one of "
+                f"{', '.join(_TOKENIZER_FILES)}); point the model at its Hugging Face model "
+                "directory, or build a Llama-3 one with `python -m indexer.tokenizer_assets DIR`"
+            )
+    elif os.path.isabs(text) or text.startswith(("./", "../", "~")) or not _REPO_ID.fullmatch(text):
+        raise TokenizationError(
+            f"{label}: tokenizer directory {path} does not exist; give the path of a directory "
+            "with tokenizer.json and tokenizer_config.json (vLLM's model directory works), or "
+            "build a Llama-3 one with `python -m indexer.tokenizer_assets DIR`"
+        )
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path) if from_directory else text, local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:
+        if from_directory:
+            raise TokenizationError(f"{label}: cannot load the tokenizer in {path}: {exc}") from exc
+        raise TokenizationError(
+            f"{label}: {text!r} is neither an existing directory nor a model in the local Hugging "
+            f"Face cache ({_hf_cache_dir()}), and tokenizers are never downloaded at run time; "
+            f"give the path of a directory with tokenizer.json, or fetch it beforehand with "
+            f"`hf download {text} --include 'tokenizer*'` ({exc})"
+        ) from exc
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise TokenizationError(
+            f"{label}: {text} loaded as {type(tokenizer).__name__}, which has no fast (Rust) "
+            "tokenizer; the EPP needs tokenizer.json (save the tokenizer once with "
+            "transformers' `save_pretrained` to produce it)"
+        )
+    return tokenizer
+
+
+def _hf_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except Exception:
+        return "the Hugging Face cache"
+
+
+class PromptTokenizer:
+    """One model's tokenizer and chat template, as vLLM uses them, with a segment cache.
+
+    Build it with `from_pretrained` (or get it from a `TokenizerRegistry`). The ``encode_*``
+    methods are synchronous, CPU-bound and thread-safe: run them in a bounded executor.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        name: str = "",
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+        default_chat_template_kwargs: Mapping[str, Any] | None = None,
+        cache_max_tokens: int = DEFAULT_CACHE_MAX_TOKENS,
+        verify_every: int = 0,
+    ) -> None:
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TokenizationError(
+                f"{type(hf_tokenizer).__name__} is not a fast tokenizer; load one from a "
+                "directory that has tokenizer.json"
+            )
+        if content_format not in ("auto", "string", "openai"):
+            raise TokenizationError(
+                f"content_format must be 'auto', 'string' or 'openai', not {content_format!r}"
+            )
+        if cache_max_tokens < 0 or verify_every < 0:
+            raise TokenizationError("cache_max_tokens and verify_every must be >= 0")
+        self.name: str = name or str(getattr(hf_tokenizer, "name_or_path", "")) or "tokenizer"
+        self._hf = hf_tokenizer
+        self._backend = backend
+        # transformers resets truncation and padding on every call it makes; we call the Rust
+        # tokenizer directly, so make sure neither is configured (once, before any sharing).
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        self._chat_template = _load_chat_template(chat_template, self.name)
+        self._content_format: ContentFormatOption = content_format
+        self._default_template_kwargs = dict(default_chat_template_kwargs or {})
+
+        added = dict(backend.get_added_tokens_decoder())
+        # vLLM rejects prompt ids above the tokenizer's largest id. Vocabularies are contiguous
+        # from 0 in practice, which lets us skip `get_vocab()` (0.35 s for Llama-3).
+        vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.max_token_id: int = max(vocab_size - 1, max(added, default=-1))
+        self._canonical_ids = list(range(self.max_token_id + 1))
+        self._boundary, self._boundary_ids = _added_token_matcher(added.items())
+        self._affixes = _special_token_affixes(backend)
+        self._hazard: str | None = _segmentation_hazard(backend, added.values())
+        if cache_max_tokens == 0 and self._hazard is None:
+            self._hazard = "the cache is configured with cache_max_tokens=0"
+        if self._hazard is not None:
+            logger.info("tokenizer %s: segment cache off: %s", self.name, self._hazard)
+
+        self._verify_every = verify_every
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_max_tokens = cache_max_tokens
+        self._cache_tokens = 0
+        self._hits = self._misses = self._cached_tokens = self._encoded_tokens = 0
+        self._uncached_calls = self._verify_failures = self._calls = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+        default_chat_template_kwargs: Mapping[str, Any] | None = None,
+        cache_max_tokens: int = DEFAULT_CACHE_MAX_TOKENS,
+        verify_every: int = 0,
+    ) -> PromptTokenizer:
+        """Load offline from a directory (or the local HF cache); see `load_hf_tokenizer`."""
+        label = name or os.fspath(source)
+        return cls(
+            load_hf_tokenizer(source, model=label),
+            name=label,
+            chat_template=chat_template,
+            content_format=content_format,
+            default_chat_template_kwargs=default_chat_template_kwargs,
+            cache_max_tokens=cache_max_tokens,
+            verify_every=verify_every,
+        )
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def cache_disabled_reason(self) -> str | None:
+        """Why every call tokenizes the whole text, or None when the segment cache is in use."""
+        return self._hazard
+
+    def encode_completion(
+        self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
+    ) -> list[int]:
+        """The prompt ids of a ``/v1/completions`` request (one prompt of it).
+
+        Text is tokenized with ``add_special_tokens`` (vLLM's default: True). Token ids are
+        passed through after the checks vLLM makes (non-empty, in the vocabulary).
+        """
+        if isinstance(prompt, str):
+            return self.encode_text(prompt, add_special_tokens=add_special_tokens)
+        return self.validate_token_ids(prompt)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        reasoning_effort: str | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt ids of a ``/v1/chat/completions`` request, as vLLM computes them.
+
+        Keyword arguments mirror the request fields of the same names and defaults.
+        """
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            documents=documents,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            reasoning_effort=reasoning_effort,
+        )
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        reasoning_effort: str | None = None,
+    ) -> str:
+        """The prompt text vLLM renders from a chat request (before tokenization)."""
+        if continue_final_message and add_generation_prompt:
+            raise TokenizationError(
+                "cannot set both continue_final_message and add_generation_prompt to true "
+                "(vLLM rejects it); set add_generation_prompt to false to continue the last message"
+            )
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TokenizationError(
+                f"messages must be a list of objects, not {type(messages).__name__}"
+            )
+        if not messages:
+            raise TokenizationError("messages must not be empty")
+        tool_dicts = _tool_dicts(tools)
+        template = self._resolve_chat_template(tool_dicts)
+        content_format: ContentFormat = (
+            template_content_format(template)
+            if self._content_format == "auto"
+            else self._content_format
+        )
+        conversation = conversation_from_messages(messages, content_format)
+        kwargs = self._template_kwargs(
+            template,
+            chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            documents=documents,
+            reasoning_effort=reasoning_effort,
+        )
+        # vLLM's newest renderer also reads tools from the template kwargs; request tools win.
+        kwarg_tools = kwargs.pop("tools", None)
+        try:
+            rendered = self._hf.apply_chat_template(
+                conversation,
+                tools=tool_dicts if tool_dicts is not None else kwarg_tools,
+                chat_template=template,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as exc:
+            raise TokenizationError(
+                f"model {self.name!r}: the chat template failed on this request: {exc}"
+            ) from exc
+        if not isinstance(rendered, str):
+            raise TokenizationError(
+                f"model {self.name!r}: apply_chat_template returned {type(rendered).__name__}, "
+                "expected the prompt text"
+            )
+        return rendered
+
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Tokenize text exactly like ``tokenizer.encode(text, add_special_tokens=...)``, cached."""
+        if self._hazard is not None or (add_special_tokens and self._affixes is None):
+            with self._lock:
+                self._uncached_calls += 1
+            ids = self.encode_uncached(text, add_special_tokens=add_special_tokens)
+            with self._lock:
+                self._encoded_tokens += len(ids)
+            return ids
+        ids = self._encode_by_segments(text)
+        if add_special_tokens and self._affixes is not None:
+            prefix, suffix = self._affixes
+            ids = [*prefix, *ids, *suffix]
+        if self._verify_every and self._due_for_verification():
+            expected = self.encode_uncached(text, add_special_tokens=add_special_tokens)
+            if expected != ids:
+                self._turn_cache_off(text)
+                return expected
+        return ids
+
+    def encode_uncached(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Whole-text tokenization by the Rust tokenizer: the reference the cache must equal."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def validate_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """A prompt given as token ids, checked the way vLLM checks it, as a new list."""
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise TokenizationError(
+                f"a token-id prompt must be a list of integers, not {type(token_ids).__name__}"
+            )
+        if not token_ids:
+            raise TokenizationError("the prompt is empty: give a non-empty string or token-id list")
+        ids = list(token_ids)
+        for position, token in enumerate(ids):
+            if type(token) is not int:
+                raise TokenizationError(
+                    f"prompt[{position}] = {token!r} is not an integer token id"
+                )
+            if not 0 <= token <= self.max_token_id:
+                raise TokenizationError(
+                    f"prompt[{position}] = {token} is out of vocabulary for model {self.name!r} "
+                    f"(valid ids are 0..{self.max_token_id})"
+                )
+        return ids
+
+    def stats(self) -> TokenizationStats:
+        with self._lock:
+            return TokenizationStats(
+                cache_hits=self._hits,
+                cache_misses=self._misses,
+                cached_tokens=self._cached_tokens,
+                encoded_tokens=self._encoded_tokens,
+                uncached_calls=self._uncached_calls,
+                verify_failures=self._verify_failures,
+                cache_entries=len(self._entries),
+                cache_size_tokens=self._cache_tokens,
+            )
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._cache_tokens = 0
+
+    # ---------------------------------------------------------------- chat template
+
+    def _resolve_chat_template(self, tools: list[dict[str, Any]] | None) -> str:
+        # vLLM's order (`resolve_chat_template`): --chat-template, then the tokenizer's own
+        # (its "tool_use" variant when tools are given). vLLM's last resort, templates bundled for
+        # a few model types without one, is not mirrored: configure chat_template for those.
+        if self._chat_template is not None:
+            return self._chat_template
+        try:
+            template = self._hf.get_chat_template(None, tools=tools)
+        except Exception as exc:
+            raise TokenizationError(
+                f"model {self.name!r} has no chat template, so /v1/chat/completions cannot be "
+                "tokenized; add `chat_template` to its tokenizer_config.json (or a "
+                "chat_template.jinja file), configure one for the model in the EPP as vLLM's "
+                f"--chat-template, or send /v1/completions ({exc})"
+            ) from exc
+        if not isinstance(template, str):
+            raise TokenizationError(f"model {self.name!r}: chat template is not a string")
+        return template
+
+    def _template_kwargs(
+        self,
+        template: str,
+        chat_template_kwargs: Mapping[str, Any] | None,
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        documents: Sequence[Mapping[str, Any]] | None,
+        reasoning_effort: str | None,
+    ) -> dict[str, Any]:
+        user = dict(chat_template_kwargs or {})
+        for key in _FORBIDDEN_TEMPLATE_KWARGS:
+            if key in user:
+                raise TokenizationError(
+                    f"chat_template_kwargs may not set {key!r} (vLLM rejects it); remove it"
+                )
+        request_fields: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "documents": None if documents is None else [dict(d) for d in documents],
+            "reasoning_effort": reasoning_effort,
+        }
+        # ChatCompletionRequest.build_chat_params: asking for reasoning turns thinking on for
+        # templates that need an explicit opt-in, unless the request says otherwise.
+        if reasoning_effort is not None and "enable_thinking" not in user:
+            request_fields["enable_thinking"] = reasoning_effort != "none"
+        merged = user | {k: v for k, v in request_fields.items() if v not in _UNSET}
+        if self._default_template_kwargs:  # ChatParams.with_defaults
+            merged = self._default_template_kwargs | {
+                k: v for k, v in merged.items() if v not in _UNSET
+            }
+        # vLLM's `resolve_chat_template_kwargs` drops what neither the template nor
+        # apply_chat_template can use.
+        variables = template_variables(template)
+        if variables is None:
+            return merged
+        accepted = (variables | _apply_chat_template_params()) - set(_FORBIDDEN_TEMPLATE_KWARGS)
+        return {k: v for k, v in merged.items() if k in accepted}
+
+    # ---------------------------------------------------------------- the segment cache
+
+    def _encode_by_segments(self, text: str) -> list[int]:
+        pieces: list[str | int] = []
+        position = 0
+        if self._boundary is not None:
+            boundary_ids = self._boundary_ids
+            for match in self._boundary.finditer(text):
+                start, end = match.span()
+                if start > position:
+                    pieces.append(text[position:start])
+                pieces.append(boundary_ids[match.group()])
+                position = end
+        if position < len(text):
+            pieces.append(text[position:] if position else text)
+
+        found: dict[str, tuple[int, ...]] = {}
+        missing: list[str] = []
+        with self._lock:
+            entries = self._entries
+            for piece in pieces:
+                if not isinstance(piece, str) or piece in found:
+                    continue
+                cached = entries.get(piece)
+                if cached is None:
+                    if piece not in missing:
+                        missing.append(piece)
+                else:
+                    entries.move_to_end(piece)
+                    found[piece] = cached
+                    self._hits += 1
+                    self._cached_tokens += len(cached)
+        if missing:
+            encoded = self._encode_pieces(missing)
+            found.update(zip(missing, encoded, strict=True))
+            self._store(missing, encoded)
+
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend(found[piece])
+        return ids
+
+    def _encode_pieces(self, pieces: list[str]) -> list[tuple[int, ...]]:
+        # One batch call: the Rust side spreads the pieces over its thread pool. Ids are mapped to
+        # one shared int object each, so cached tuples cost 8 bytes per token, not 36.
+        canonical = self._canonical_ids.__getitem__
+        encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        encodings = encode_batch(pieces, add_special_tokens=False)
+        return [tuple(map(canonical, encoding.ids)) for encoding in encodings]
+
+    def _store(self, pieces: list[str], encoded: list[tuple[int, ...]]) -> None:
+        with self._lock:
+            self._misses += len(pieces)
+            for piece, ids in zip(pieces, encoded, strict=True):
+                self._encoded_tokens += len(ids)
+                if len(ids) > self._cache_max_tokens or piece in self._entries:
+                    continue
+                self._entries[piece] = ids
+                self._cache_tokens += len(ids)
+            while self._cache_tokens > self._cache_max_tokens:
+                _, evicted = self._entries.popitem(last=False)
+                self._cache_tokens -= len(evicted)
+
+    def _due_for_verification(self) -> bool:
+        with self._lock:
+            self._calls += 1
+            return self._calls % self._verify_every == 0
+
+    def _turn_cache_off(self, text: str) -> None:
+        with self._lock:
+            self._verify_failures += 1
+            self._hazard = "a cached result differed from whole-text tokenization"
+            self._entries.clear()
+            self._cache_tokens = 0
+        logger.error(
+            "tokenizer %s: segment cache disagreed with whole-text tokenization on a %d-char "
+            "text; the cache is now off for this tokenizer",
+            self.name,
+            len(text),
+        )
+
+
+class TokenizerRegistry:
+    """Model name → `PromptTokenizer`, loaded lazily on first use, shared and thread-safe.
+
+    ``TokenizerRegistry({"model-a": "/models/a"})``; a value may also be a `TokenizerSource`.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, str | os.PathLike[str] | TokenizerSource],
+        *,
+        cache_max_tokens: int = DEFAULT_CACHE_MAX_TOKENS,
+        verify_every: int = 0,
+    ) -> None:
+        self._sources: dict[str, TokenizerSource] = {
+            name: source
+            if isinstance(source, TokenizerSource)
+            else TokenizerSource(os.fspath(source))
+            for name, source in sources.items()
+        }
+        self._cache_max_tokens = cache_max_tokens
+        self._verify_every = verify_every
+        self._loaded: dict[str, PromptTokenizer] = {}
+        self._load_locks = {name: threading.Lock() for name in self._sources}
+
+    def models(self) -> tuple[str, ...]:
+        return tuple(self._sources)
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._sources
+
+    def get(self, model: str) -> PromptTokenizer:
+        """The model's tokenizer, loading it on first use (other threads wait for that load)."""
+        tokenizer = self._loaded.get(model)
+        if tokenizer is not None:
+            return tokenizer
+        lock = self._load_locks.get(model)
+        if lock is None:
+            known = ", ".join(repr(name) for name in self._sources) or "none"
+            raise TokenizationError(
+                f"no tokenizer is configured for model {model!r} (configured: {known}); add the "
+                "model and its tokenizer directory to the EPP's tokenizer configuration, or "
+                "check the request's `model` field"
+            )
+        with lock:
+            tokenizer = self._loaded.get(model)
+            if tokenizer is None:
+                source = self._sources[model]
+                tokenizer = PromptTokenizer.from_pretrained(
+                    source.path,
+                    name=model,
+                    chat_template=source.chat_template,
+                    content_format=source.content_format,
+                    default_chat_template_kwargs=source.default_chat_template_kwargs,
+                    cache_max_tokens=self._cache_max_tokens,
+                    verify_every=self._verify_every,
+                )
+                self._loaded[model] = tokenizer
+        return tokenizer
+
+    def stats(self) -> dict[str, TokenizationStats]:
+        """Counters of the tokenizers loaded so far."""
+        return {name: tokenizer.stats() for name, tokenizer in list(self._loaded.items())}
+
+
+# -------------------------------------------------------------------- chat messages
+
+
+def conversation_from_messages(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat
+) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to the chat template (`parse_chat_messages`).
+
+    Each message keeps ``role`` and ``content`` (text parts joined with ``"\\n"`` for "string"
+    templates, ``[{"type": "text", ...}]`` parts for "openai" ones), ``tool_calls`` and
+    ``reasoning`` on assistant messages, ``tool_call_id`` on tool messages, ``name`` and ``task``
+    when they are strings, ``tools`` on developer messages; nothing else. Image, audio and video
+    parts raise `TokenizationError`: the precise scorer does not support multimodal prompts.
+    """
+    conversation: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TokenizationError(
+                f"messages[{index}] must be an object, not {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise TokenizationError(f"messages[{index}].role must be a string, not {role!r}")
+        content = message.get("content")
+        parts: Sequence[Any]
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, Sequence) and not isinstance(content, bytes):
+            parts = content
+        else:
+            raise TokenizationError(
+                f"messages[{index}].content must be a string, a list of parts or null, "
+                f"not {type(content).__name__}"
+            )
+        converted: dict[str, Any] = {
+            "role": role,
+            "content": _message_content(index, parts, content_format),
+        }
+        if role == "assistant":
+            tool_calls = message.get("tool_calls")
+            if isinstance(tool_calls, (str, bytes, Mapping)) or not (
+                tool_calls is None or isinstance(tool_calls, Iterable)
+            ):
+                raise TokenizationError(f"messages[{index}].tool_calls must be a list")
+            if tool_calls is not None:
+                converted["tool_calls"] = [_tool_call(call) for call in tool_calls]
+            # ChatCompletionRequest renames the deprecated `reasoning_content` to `reasoning`.
+            reasoning = message.get("reasoning")
+            if reasoning is None:
+                reasoning = message.get("reasoning_content")
+            if reasoning is not None:
+                converted["reasoning"] = reasoning
+                converted["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in message:
+                converted["tool_call_id"] = message["tool_call_id"]
+            converted["content"] = _tool_message_content(converted["content"])
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                converted[key] = message[key]
+        if role == "developer":
+            converted["tools"] = message.get("tools")
+        conversation.append(converted)
+    _parse_tool_call_arguments(conversation)
+    return conversation
+
+
+def _message_content(
+    index: int, parts: Sequence[Any], content_format: ContentFormat
+) -> str | list[dict[str, Any]]:
+    as_dicts = content_format == "openai"
+    texts: list[str] = []
+    dicts: list[dict[str, Any]] = []
+    for number, part in enumerate(parts):
+        where = f"messages[{index}].content[{number}]"
+        if isinstance(part, str):
+            if part:
+                texts.append(part)
+            dicts.append({"type": "text", "text": part})
+            continue
+        if not isinstance(part, Mapping):
+            raise TokenizationError(
+                f"{where} must be a string or an object, not {type(part).__name__}"
+            )
+        kind = part.get("type")
+        if kind is None:
+            media = next((key for key in _MEDIA_KEYS if key in part), None)
+            if media is not None:
+                raise _multimodal_error(where, media)
+            raise TokenizationError(f"{where} has no 'type' field")
+        if kind in _TEXT_PART_KEYS:
+            text = part.get(_TEXT_PART_KEYS[kind])
+            if text is None and (kind in _SKIP_WHEN_NONE or not as_dicts):
+                continue  # vLLM skips text parts without text
+            if text is not None and not isinstance(text, str):
+                raise TokenizationError(f"{where}.{_TEXT_PART_KEYS[kind]} must be a string")
+            # vLLM keeps only truthy parse results before joining, so "" parts vanish from
+            # string content (but stay as dicts in "openai" content).
+            if text:
+                texts.append(text)
+            dicts.append({"type": "text", "text": text})
+        elif kind == "tool_reference":
+            name = part.get("name")
+            if name:
+                texts.append(str(name))
+            dicts.append({"type": "tool_reference", "name": name})
+        elif kind in _MEDIA_PART_TYPES:
+            raise _multimodal_error(where, str(kind))
+        else:
+            raise TokenizationError(
+                f"{where} has unsupported type {kind!r}; text parts are "
+                f"{', '.join(sorted(_TEXT_PART_KEYS))}"
+            )
+    if as_dicts:
+        return dicts
+    return "\n".join(texts)
+
+
+def _multimodal_error(where: str, kind: str) -> TokenizationError:
+    return TokenizationError(
+        f"{where} is a {kind!r} part: multimodal content is not supported by the precise "
+        "prefix-cache scorer (its tokens depend on the model's multimodal processor); send "
+        "text-only messages, or route multimodal models with a load-based profile"
+    )
+
+
+def _tool_message_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    # Tool results sent as text parts become one string, even for "openai" templates, unless a
+    # part is not text (vLLM `_parse_chat_message_content`, role "tool").
+    if not isinstance(content, list):
+        return content
+    if any(part.get("type") != "text" for part in content):
+        return content
+    texts = [part.get("text") or "" for part in content]
+    return "\n".join(texts) if texts else ""
+
+
+def _tool_call(call: Any) -> Any:
+    # The request model validates tool calls as OpenAI TypedDicts, which keeps only their
+    # declared keys, in declaration order: {id, function: {arguments, name}, type}.
+    if not isinstance(call, Mapping):
+        return call
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        return dict(call)
+    result: dict[str, Any] = {}
+    if "id" in call:
+        result["id"] = call["id"]
+    result["function"] = {key: function[key] for key in ("arguments", "name") if key in function}
+    if "type" in call:
+        result["type"] = call["type"]
+    return result
+
+
+def _parse_tool_call_arguments(conversation: list[dict[str, Any]]) -> None:
+    # vLLM `_postprocess_messages`: templates get tool-call arguments as parsed JSON; an empty
+    # tool_calls list is dropped so the template takes its plain assistant path.
+    for message in conversation:
+        if message["role"] != "assistant" or "tool_calls" not in message:
+            continue
+        tool_calls = message["tool_calls"]
+        if not tool_calls:
+            del message["tool_calls"]
+            continue
+        for call in tool_calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments)
+                except json.JSONDecodeError:
+                    function["arguments"] = {}
+            elif not isinstance(arguments, (dict, list)):
+                function["arguments"] = {}
+
+
+def _tool_dicts(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools as vLLM passes them to the template: ``ChatCompletionToolsParam.model_dump()``.
+
+    That is ``{"type", "function": {"name", "description", "parameters", <other function keys>}}``
+    with ``description``/``parameters`` present (as None) even when the request left them out.
+    """
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise TokenizationError(f"tools must be a list of objects, not {type(tools).__name__}")
+    if not tools:
+        raise TokenizationError(
+            "tools must not be an empty array (vLLM rejects it); omit the field instead"
+        )
+    dumped: list[dict[str, Any]] = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise TokenizationError(f"tools[{index}].function.name must be a string")
+        described = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        described |= {k: v for k, v in function.items() if k not in described}
+        dumped.append({"type": tool.get("type", "function"), "function": described})
+    return dumped
+
+
+# -------------------------------------------------------------------- chat templates
+
+
+def _load_chat_template(value: str | None, model: str) -> str | None:
+    # vLLM `_load_chat_template`: a readable file wins, otherwise the value is the template
+    # itself, unless it has no Jinja characters at all and so must have meant a path.
+    if value is None:
+        return None
+    try:
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if not _JINJA_CHARS.intersection(value):
+        raise TokenizationError(
+            f"model {model!r}: chat_template {value!r} looks like a file path, but no such file "
+            "exists; give the path of a Jinja template file or the template text itself"
+        )
+    return value
+
+
+@lru_cache(maxsize=64)
+def _parse_template(template: str) -> Any | None:
+    # The same Jinja environment (and extensions, e.g. `{% generation %}`) transformers renders with.
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(template).environment.parse(template)
+    except Exception:
+        logger.warning("cannot parse a chat template to inspect it", exc_info=True)
+        return None
+
+
+@lru_cache(maxsize=64)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a template reads from its context (None when it cannot be parsed)."""
+    ast = _parse_template(template)
+    if ast is None:
+        return None
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(ast))
+
+
+@lru_cache(maxsize=1)
+def _apply_chat_template_params() -> frozenset[str]:
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return frozenset(p.name for p in parameters if p.kind not in variadic and p.name != "self")
+
+
+@lru_cache(maxsize=64)
+def template_content_format(template: str) -> ContentFormat:
+    """ "openai" when the template loops over a message's content, else "string".
+
+    The same rule as vLLM's ``_detect_content_format`` (``vllm/renderers/hf.py``): find the names
+    bound to ``messages`` (directly, by ``{% set %}``, through filters, tests or slices), the loop
+    variables iterating over them, and then any loop over ``<message>['content']`` or
+    ``<message>.content``. A template that cannot be parsed counts as "string", vLLM's default.
+    """
+    import jinja2.nodes as nodes
+
+    ast = _parse_template(template)
+    if ast is None:
+        return "string"
+
+    def reads(node: Any, name: str, key: str | None = None) -> bool:
+        if isinstance(node, nodes.Filter):
+            return node.node is not None and reads(node.node, name, key)
+        if isinstance(node, nodes.Test):
+            return reads(node.node, name, key)
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            return reads(node.node, name, key)
+        if key is None:
+            return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+        if isinstance(node, nodes.Getitem):
+            return (
+                reads(node.node, name)
+                and isinstance(node.arg, nodes.Const)
+                and node.arg.value == key
+            )
+        if isinstance(node, nodes.Getattr):
+            return reads(node.node, name) and node.attr == key
+        return False
+
+    message_lists = {"messages"}
+    pending = ["messages"]
+    while pending:
+        source = pending.pop()
+        for assign in ast.find_all(nodes.Assign):
+            target = assign.target
+            if (
+                isinstance(target, nodes.Name)
+                and target.name not in message_lists
+                and reads(assign.node, source)
+            ):
+                message_lists.add(target.name)
+                pending.append(target.name)
+    loops = list(ast.find_all(nodes.For))
+    message_names = {
+        loop.target.name
+        for loop in loops
+        if isinstance(loop.target, nodes.Name)
+        and any(reads(loop.iter, name) for name in message_lists)
+    }
+    for loop in loops:
+        if any(reads(loop.iter, name, "content") for name in message_names):
+            return "openai"
+    return "string"
+
+
+# -------------------------------------------------------------------- tokenizer analysis
+
+
+def _added_token_matcher(
+    added: Iterable[tuple[int, Any]],
+) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A regex that finds added tokens the way the Rust tokenizer's first pass does.
+
+    Only tokens matched on the raw text (``normalized=False``) cut it before normalisation; the
+    others are found later inside pieces and need no special care here.
+    """
+    ids = {
+        token.content: token_id
+        for token_id, token in added
+        if not token.normalized and token.content
+    }
+    if not ids:
+        return None, ids
+    alternatives = sorted(ids, key=lambda content: (-len(content), content))
+    return re.compile("|".join(map(re.escape, alternatives))), ids
+
+
+def _segmentation_hazard(backend: Any, added: Iterable[Any]) -> str | None:
+    """Why cutting text at added tokens might change the ids, or None when it cannot."""
+    if backend.normalizer is not None:
+        return f"the tokenizer has a normalizer ({type(backend.normalizer).__name__})"
+    if getattr(backend, "encode_special_tokens", False):
+        return "special tokens are tokenized as text (encode_special_tokens / split_special_tokens)"
+    for token in added:
+        if token.lstrip or token.rstrip or token.single_word:
+            return (
+                f"added token {token.content!r} has lstrip/rstrip/single_word, so its match "
+                "depends on the text around it"
+            )
+    if getattr(backend.model, "dropout", None):
+        return "the BPE model uses dropout, so tokenization is random"
+    if backend.pre_tokenizer is not None:
+        return _pre_tokenizer_hazard(json.loads(backend.pre_tokenizer.__getstate__()))
+    return None
+
+
+def _pre_tokenizer_hazard(spec: Mapping[str, Any]) -> str | None:
+    kind = spec.get("type")
+    if kind == "Sequence":
+        for step in spec.get("pretokenizers", []):
+            if (reason := _pre_tokenizer_hazard(step)) is not None:
+                return reason
+        return None
+    if kind in _CONTEXT_FREE_PRE_TOKENIZERS:
+        return None
+    if kind == "ByteLevel" and not spec.get("add_prefix_space"):
+        return None
+    if kind == "Metaspace" and spec.get("prepend_scheme") == "never":
+        return None
+    return f"the pre-tokenizer {kind!r} (as configured) may treat a text's first piece differently"
+
+
+def _special_token_affixes(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids ``add_special_tokens=True`` puts before and after any text, if they are fixed."""
+    probes = ("a", "", "Hello world, 123!", " \n<|x|>")
+    with_special = backend.encode(probes[0], add_special_tokens=True).ids
+    plain = backend.encode(probes[0], add_special_tokens=False).ids
+    affixes = None
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            affixes = (tuple(with_special[:start]), tuple(with_special[start + len(plain) :]))
+            break
+    if affixes is None:
+        return None
+    prefix, suffix = affixes
+    for probe in probes:
+        plain = backend.encode(probe, add_special_tokens=False).ids
+        if backend.encode(probe, add_special_tokens=True).ids != [*prefix, *plain, *suffix]:
+            return None
+    return affixes
