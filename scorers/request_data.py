@@ -14,6 +14,15 @@ PREFIX_MATCHED_BLOCKS (``"prefix.matched_blocks"``): ``dict[str, int]``
     and which endpoint has the longest", not as an exact length.  An address that is absent
     holds nothing.  Read by ``no-hit-lru-scorer`` (`is_cold_request`).
 
+PREFIX_MATCHED_TOKENS (``"prefix.matched_tokens"``): ``dict[str, int]``
+    Endpoint address → prompt tokens that endpoint holds in its prefix cache, exactly (the
+    precise scorer's consecutive matched blocks × block size).  Read by the director to account
+    the prefill work a routed request adds to its endpoint, and by cost-based scorers.
+
+PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
+    How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
+    scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
+
 SESSION_TOKEN (``"session-token"``): ``str``
     The value the ext_proc layer must send back in the ``x-session-token`` response header:
     base64 of the chosen endpoint's address.  Written by ``session-affinity-scorer`` in
@@ -28,6 +37,8 @@ from typing import Final
 from scorers.base import LLMRequest
 
 PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
+PREFIX_MATCHED_TOKENS: Final = "prefix.matched_tokens"
+PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
 SESSION_TOKEN: Final = "session-token"
 
 

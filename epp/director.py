@@ -1,0 +1,205 @@
+"""The director: what happens to one request between the ext_proc stream and the scheduler.
+
+It implements `epp.extproc.Router`: pick the candidates (ready endpoints, narrowed by the proxy's
+subset hint), run the scheduler, start the in-flight accounting the load-aware plugins read, and
+record the request's metrics; on the response side, release the accounting exactly once and hand
+the usage to the plugins that learn from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from epp.datastore import Datastore, InFlightRequest
+from epp.extproc import RoutingDecision
+from epp.scheduler import Scheduler
+from epp.telemetry import Telemetry
+from scorers.base import Endpoint, LLMRequest, NoReadyEndpointsError, SchedulingError, Usage
+from scorers.request_data import (
+    PREFIX_MATCHED_BLOCKS,
+    PREFIX_MATCHED_TOKENS,
+    PREFIX_TOTAL_BLOCKS,
+)
+
+logger = logging.getLogger(__name__)
+
+# Without a tokenizer the prompt length is estimated from characters (the Inference Extension's
+# "estimate" tokenizer backend uses the same 4 bytes per token).
+CHARS_PER_TOKEN_ESTIMATE = 4
+
+
+@dataclass(slots=True)
+class TrackedDecision(RoutingDecision):
+    """A routing decision plus the state its response path needs."""
+
+    in_flight: InFlightRequest | None = None
+    decided_at: float = 0.0
+    status: int = 0
+    first_byte_seen: bool = False
+    candidates: int = field(default=0)
+
+
+def filter_by_subset(
+    endpoints: Sequence[Endpoint], subset: frozenset[str] | None
+) -> list[Endpoint]:
+    """Candidates allowed by the proxy's subset hint (matched by IP, as the Inference Extension
+    does); no hint means every ready endpoint."""
+    if subset is None:
+        return list(endpoints)
+    return [ep for ep in endpoints if ep.ip in subset]
+
+
+def prompt_tokens_estimate(request: LLMRequest) -> int:
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    if isinstance(request.prompt, list):
+        return len(request.prompt)
+    return request.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
+
+
+def uncached_prompt_tokens(request: LLMRequest, address: str) -> int:
+    """Prefill work this request adds to ``address``: its prompt minus what that endpoint is
+    believed to hold (exact tokens from the precise scorer when it ran)."""
+    total = prompt_tokens_estimate(request)
+    matched_tokens: dict[str, int] | None = request.data.get(PREFIX_MATCHED_TOKENS)
+    if matched_tokens is not None:
+        return max(0, total - matched_tokens.get(address, 0))
+    return total
+
+
+class Director:
+    """`epp.extproc.Router` over a datastore and a scheduler."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        scheduler: Scheduler,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.datastore = datastore
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+
+    # -- request path -------------------------------------------------------------------------
+
+    async def route(self, request: LLMRequest, subset: frozenset[str] | None) -> RoutingDecision:
+        candidates = filter_by_subset(self.datastore.endpoints(), subset)
+        started = time.perf_counter()
+        try:
+            result = await self.scheduler.schedule(request, candidates)
+        except SchedulingError:
+            self._count_attempt("failure")
+            raise
+        finally:
+            if self.telemetry is not None:
+                self.telemetry.scheduler_e2e.observe(time.perf_counter() - started)
+        self._count_attempt("success")
+        targets = tuple(ep.address for ep in result.targets)
+        if not targets:
+            raise NoReadyEndpointsError("the picker chose no endpoint")
+        primary = targets[0]
+        self._observe_hit_ratio(request, primary)
+        return self._track(request, targets, len(candidates))
+
+    def route_without_body(
+        self, request: LLMRequest, subset: frozenset[str] | None
+    ) -> RoutingDecision:
+        candidates = filter_by_subset(self.datastore.endpoints(), subset)
+        if not candidates:
+            raise NoReadyEndpointsError(
+                "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
+            )
+        # Least loaded by what the EPP routed there and what the server reports queued.
+        chosen = min(
+            candidates,
+            key=lambda ep: (ep.load.in_flight_requests + ep.metrics.waiting_requests, ep.address),
+        )
+        return self._track(request, (chosen.address,), len(candidates))
+
+    def _track(
+        self, request: LLMRequest, targets: tuple[str, ...], candidates: int
+    ) -> TrackedDecision:
+        primary = targets[0]
+        in_flight = self.datastore.request_started(
+            primary, uncached_prompt_tokens(request, primary)
+        )
+        if self.telemetry is not None:
+            self.telemetry.requests.labels(request.model, request.model).inc()
+            self.telemetry.running_requests.labels(request.model).inc()
+        return TrackedDecision(
+            request=request,
+            targets=targets,
+            in_flight=in_flight,
+            decided_at=time.perf_counter(),
+            candidates=candidates,
+        )
+
+    # -- response path ------------------------------------------------------------------------
+
+    def response_headers(self, decision: RoutingDecision, status: int) -> None:
+        if isinstance(decision, TrackedDecision):
+            decision.status = status
+
+    def response_chunk(self, decision: RoutingDecision) -> None:
+        if not isinstance(decision, TrackedDecision) or decision.first_byte_seen:
+            return
+        decision.first_byte_seen = True
+        if decision.in_flight is not None:
+            decision.in_flight.first_token()
+        if self.telemetry is not None:
+            model = decision.request.model
+            self.telemetry.request_ttft.labels(model, model).observe(
+                time.perf_counter() - decision.decided_at
+            )
+
+    def response_complete(
+        self, decision: RoutingDecision, usage: Usage | None, status: int
+    ) -> None:
+        if isinstance(decision, TrackedDecision) and decision.in_flight is not None:
+            decision.in_flight.finish()
+        request = decision.request
+        telemetry = self.telemetry
+        if telemetry is not None:
+            model = request.model
+            telemetry.running_requests.labels(model).dec()
+            if isinstance(decision, TrackedDecision):
+                telemetry.request_duration.labels(model, model).observe(
+                    time.perf_counter() - decision.decided_at
+                )
+            if status >= 400:
+                telemetry.request_errors.labels(model, model, str(status)).inc()
+            if usage is not None:
+                telemetry.input_tokens.labels(model, model).observe(usage.prompt_tokens)
+                telemetry.output_tokens.labels(model, model).observe(usage.completion_tokens)
+                if usage.cached_tokens is not None:
+                    telemetry.prompt_cached_tokens.labels(model, model).observe(usage.cached_tokens)
+        if decision.targets:
+            self.scheduler.run_response_complete(request, decision.targets[0], usage)
+
+    def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
+        model = request.model if request is not None else ""
+        if self.telemetry is not None:
+            self.telemetry.request_errors.labels(model, model, str(status)).inc()
+        logger.info(
+            "request %s answered by the EPP with %d: %s",
+            request.request_id if request is not None else "-",
+            status,
+            reason,
+        )
+
+    # -- metrics helpers ----------------------------------------------------------------------
+
+    def _count_attempt(self, status: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.scheduler_attempts.labels(status).inc()
+
+    def _observe_hit_ratio(self, request: LLMRequest, primary: str) -> None:
+        if self.telemetry is None:
+            return
+        total = request.data.get(PREFIX_TOTAL_BLOCKS)
+        matched: dict[str, int] | None = request.data.get(PREFIX_MATCHED_BLOCKS)
+        if isinstance(total, int) and total > 0 and matched is not None:
+            self.telemetry.decision_prefix_hit_ratio.observe(matched.get(primary, 0) / total)
