@@ -232,6 +232,8 @@ class PromptTokenizer:
         self.name: str = name or str(getattr(hf_tokenizer, "name_or_path", "")) or "tokenizer"
         self._hf = hf_tokenizer
         self._backend = backend
+        # `encode_batch_fast` (tokenizers >= 0.21) skips offsets; the ids are the same.
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         # transformers resets truncation and padding on every call it makes; we call the Rust
         # tokenizer directly, so make sure neither is configured (once, before any sharing).
         if backend.truncation is not None:
@@ -415,8 +417,13 @@ class PromptTokenizer:
         return ids
 
     def encode_uncached(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Whole-text tokenization by the Rust tokenizer: the reference the cache must equal."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Whole-text tokenization by the Rust tokenizer: the reference the cache must equal.
+
+        The same ids as transformers' ``encode`` (which calls the same Rust tokenizer), without
+        the character offsets it computes, which cost about as much as the tokenization itself.
+        """
+        (encoding,) = self._encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
         return ids
 
     def validate_token_ids(self, token_ids: Sequence[int]) -> list[int]:
@@ -567,8 +574,7 @@ class PromptTokenizer:
         # One batch call: the Rust side spreads the pieces over its thread pool. Ids are mapped to
         # one shared int object each, so cached tuples cost 8 bytes per token, not 36.
         canonical = self._canonical_ids.__getitem__
-        encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        encodings = encode_batch(pieces, add_special_tokens=False)
+        encodings = self._encode_batch(pieces, add_special_tokens=False)
         return [tuple(map(canonical, encoding.ids)) for encoding in encodings]
 
     def _store(self, pieces: list[str], encoded: list[tuple[int, ...]]) -> None:

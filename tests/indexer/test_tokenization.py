@@ -411,11 +411,13 @@ def test_cache_equals_whole_text_tokenization_on_random_chats(
     assert stats.cache_hits > stats.cache_misses > 0
     assert stats.cached_tokens > stats.encoded_tokens
     assert stats.uncached_calls == 0
-    # The reference itself is transformers' encode (what vLLM calls).
-    sample = llama3.render_chat(messages)
-    assert llama3.encode_uncached(sample, add_special_tokens=False) == llama3_hf.encode(
-        sample, add_special_tokens=False
-    )
+    # The reference itself equals transformers' encode (what vLLM calls).
+    for messages in _random_conversations(seed=8, count=5):
+        sample = llama3.render_chat(messages)
+        for special in (False, True):
+            assert llama3.encode_uncached(sample, add_special_tokens=special) == llama3_hf.encode(
+                sample, add_special_tokens=special
+            )
 
 
 def test_repeated_system_prompt_is_served_from_the_cache(llama3: PromptTokenizer) -> None:
