@@ -3,8 +3,12 @@
 The config mirrors the one the Inference Extension ships for its standalone gateway
 (``test/testdata/envoy.yaml`` there): an ``ext_proc`` HTTP filter that sends request headers,
 body and trailers and response headers, body and trailers to the EPP, and a route to an
-``ORIGINAL_DST`` cluster that connects to whatever ``ip:port`` the EPP wrote in the
-``x-gateway-destination-endpoint`` request header.
+``ORIGINAL_DST`` cluster that connects to the primary ``ip:port`` the EPP wrote in the
+``x-gateway-destination-endpoint`` request header.  Two additions over theirs: a
+``header_mutation`` filter before ext_proc drops destination headers sent by clients, and a
+Lua filter after it extracts the primary target for ORIGINAL_DST (see below).  ORIGINAL_DST
+connects to the primary only: Envoy does not walk the fallbacks (a gateway using Envoy's
+``override_host`` load-balancing policy with the pool's endpoints as its cluster does).
 
 It is used by the end-to-end tests and the demo; a Kubernetes gateway (Istio, kgateway, Envoy
 Gateway, ...) generates its own equivalent from the InferencePool instead.
@@ -25,7 +29,8 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # ORIGINAL_DST reads one ``ip:port`` from a header, but the EPP protocol's header lists the
 # primary then the fallbacks (``a,b,c``), which ORIGINAL_DST cannot parse ("no healthy
 # upstream", verified with Envoy 1.40).  A small Lua filter copies the primary into this
-# header, which the cluster reads; the route removes it before the request goes upstream.
+# header, which the cluster reads.  Backends see it too: a route-level
+# ``request_headers_to_remove`` runs before host selection and breaks routing (also verified).
 PRIMARY_DESTINATION_HEADER = "x-epp-original-dst-host"
 
 _PRIMARY_DESTINATION_LUA = f"""\

@@ -18,8 +18,13 @@ Inference Extension's EPP uses it; see ``shared/anchors/gie-epp-and-llm-d.md`` Â
    - the body, re-sent as ``streamed_response`` chunks of at most 62,000 bytes (Envoy
      implementations cap a streamed chunk at 64 KiB), the last with ``end_of_stream``.
 
+   Envoy 1.40 drops ``content-length`` in FULL_DUPLEX_STREAMED mode whatever the mutation
+   says and forwards the body chunked (verified end to end); it is set anyway, as the
+   Inference Extension does, for proxies that honour it.
+
    In ``BUFFERED`` request-body mode Envoy does not send the body until the headers are
-   answered, so the headers get an empty CONTINUE at once and the routing mutation and
+   answered (holding them stalls the request until ``message_timeout``, then Envoy answers
+   504: verified), so the headers get an empty CONTINUE at once and the routing mutation and
    metadata ride on the ``BodyResponse`` instead (Envoy applies header mutations and
    ``clear_route_cache`` from a buffered body reply); the body itself is left unmutated.
    The mode comes from ``ProcessingRequest.protocol_config`` (Envoy sends it on the first

@@ -29,9 +29,11 @@ from typing import Any
 
 from scorers.base import LLMRequest, RequestKind
 
-# Largest request body the EPP buffers (``--max-request-body-bytes``).  Bodies are held in
-# memory while the request is scheduled; 16 MiB fits a 128k-token prompt as text with room to
-# spare, and a body past it gets a 400 without being buffered further.
+# Largest request body the EPP buffers; the knob is ``epp.extproc.ExtProcSettings
+# .max_body_bytes`` (and ``render_envoy_config(max_request_body_bytes=...)`` for Envoy's own
+# buffer in BUFFERED mode).  Bodies are held in memory while the request is scheduled; 16 MiB
+# fits a 128k-token prompt as text with room to spare, and a body past it gets a 400 without
+# being buffered further.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 COMPLETIONS_PATH = "/v1/completions"

