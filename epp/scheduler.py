@@ -150,6 +150,10 @@ class Scheduler:
     and skipped, unless it raises a `SchedulingError`, which fails the request with its status.
     """
 
+    # The server registers the scheduler with the datastore as one EndpointListener that fans
+    # out to the plugins; the protocol wants a name for its log lines.
+    name = "scheduler"
+
     def __init__(
         self,
         profiles: Sequence[SchedulerProfile],

@@ -1,0 +1,220 @@
+"""The ``epp`` command: ``epp serve`` runs the endpoint picker, ``epp check-config`` validates an
+``EndpointPickerConfig`` file without starting anything.
+
+Flag names and defaults follow the Inference Extension's EPP (``--grpc-port 9002``,
+``--grpc-health-port 9003``, ``--metrics-port 9090``, ``--pool-name``, ``--pool-namespace``,
+``--config-file``, ``--refresh-metrics-interval``) so existing manifests carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from epp.config import ConfigError, build_scheduler, load_config
+from epp.requests import DEFAULT_MAX_BODY_BYTES
+from epp.server import ServerOptions, serve
+from scorers.base import Endpoint, PluginContext
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+
+
+def duration(text: str) -> float:
+    """``50ms``, ``2s``, ``1m`` or a bare number of seconds → seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (examples: 50ms, 2s, 1m)")
+    value = float(match.group(1))
+    unit = match.group(2) or "s"
+    return value / 1000 if unit == "ms" else value * 60 if unit == "m" else value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range 0..65535")
+    return value
+
+
+def optional_port(text: str) -> int | None:
+    return None if text.lower() in ("", "none", "off", "0") else port(text)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epp",
+        description="KV-cache-aware endpoint picker for vLLM fleets (Envoy ext_proc).",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the endpoint picker",
+        description="Run the endpoint picker: ext_proc for Envoy, gRPC health, Prometheus metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port Envoy calls")
+    s.add_argument(
+        "--grpc-health-port",
+        type=port,
+        default=9003,
+        help="gRPC health port (services: liveness, readiness, the ext_proc service name)",
+    )
+    s.add_argument("--metrics-port", type=port, default=9090, help="Prometheus /metrics port")
+    s.add_argument("--host", default="0.0.0.0", help="address the servers listen on")
+    s.add_argument(
+        "--config-file", help="EndpointPickerConfig YAML; the built-in default profile when unset"
+    )
+    s.add_argument("--config-text", help="EndpointPickerConfig YAML given inline")
+    k = s.add_argument_group("Kubernetes discovery (InferencePool)")
+    k.add_argument("--pool-name", help="InferencePool to serve; enables Kubernetes discovery")
+    k.add_argument(
+        "--pool-namespace",
+        default=os.environ.get("NAMESPACE", "default"),
+        help="namespace of the InferencePool and its pods ($NAMESPACE when set)",
+    )
+    k.add_argument(
+        "--pool-group", default="inference.networking.k8s.io", help="InferencePool API group"
+    )
+    st = s.add_argument_group("static discovery (no cluster)")
+    st.add_argument("--endpoints", help="comma-separated ip:port list of model servers")
+    st.add_argument(
+        "--endpoints-file",
+        help="YAML list of endpoints: address, name, labels, metricsUrl, kvEventsUrl, replayUrl",
+    )
+    ev = s.add_argument_group("vLLM KV events")
+    ev.add_argument(
+        "--kv-events-port",
+        type=optional_port,
+        default=5557,
+        help="port of each pod's KV-event publisher (vLLM --kv-events-config endpoint tcp://*:PORT); "
+        "'off' to not subscribe",
+    )
+    ev.add_argument(
+        "--kv-events-replay-port",
+        type=optional_port,
+        default=None,
+        help="port of each pod's replay ROUTER (vLLM replay_endpoint); enables gap recovery",
+    )
+    m = s.add_argument_group("endpoint metrics")
+    m.add_argument(
+        "--refresh-metrics-interval",
+        type=duration,
+        default=0.05,
+        help="how often each endpoint's /metrics is scraped (e.g. 50ms)",
+    )
+    m.add_argument("--metrics-timeout", type=duration, default=1.0, help="timeout of one scrape")
+    m.add_argument(
+        "--saturation-staleness",
+        type=duration,
+        default=0.2,
+        help="metrics older than this count as saturated (scorers see the endpoint as full)",
+    )
+    r = s.add_argument_group("request handling")
+    r.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted; larger ones get 400",
+    )
+    r.add_argument(
+        "--drain-timeout",
+        type=duration,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may finish after readiness turns off",
+    )
+    r.add_argument(
+        "--tokenizer-workers",
+        type=positive_int,
+        default=2,
+        help="threads for CPU-heavy request work (tokenizing long prompts)",
+    )
+
+    c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
+    c.add_argument("config_file")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        config_file=args.config_file,
+        config_text=args.config_text,
+        pool_name=args.pool_name,
+        pool_namespace=args.pool_namespace,
+        pool_group=args.pool_group,
+        endpoints=args.endpoints,
+        endpoints_file=args.endpoints_file,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        refresh_metrics_interval=args.refresh_metrics_interval,
+        metrics_timeout=args.metrics_timeout,
+        saturation_staleness=args.saturation_staleness,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout,
+        tokenizer_workers=args.tokenizer_workers,
+    )
+
+
+def check_config(path: str) -> int:
+    config = load_config(path)
+    context = PluginContext(endpoints=_NoEndpoints())
+    scheduler = build_scheduler(config, context)
+    profiles = ", ".join(scheduler.profile_names)
+    print(f"{path}: OK ({len(scheduler.plugins)} plugins; profiles: {profiles})")
+    return 0
+
+
+class _NoEndpoints:
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def get(self, address: str) -> Endpoint | None:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "check-config":
+            return check_config(args.config_file)
+        asyncio.run(serve(_options(args)))
+        return 0
+    except ConfigError as exc:
+        print(f"epp: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"epp: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Wiring: builds the EPP from its options and runs it until told to stop.
+
+    discovery (Kubernetes or static) ─▶ datastore ─▶ listeners: scheduler plugins (KV-event
+                                                     subscriptions), metrics scraper
+    Envoy ─ext_proc─▶ ExtProcServicer ─▶ Director ─▶ Scheduler (plugins from the config)
+    kubelet/Envoy ─grpc.health.v1─▶ HealthService      Prometheus ─▶ /metrics (Telemetry)
+
+Start order: telemetry, datastore, scheduler (plugins start), scraper, discovery, then the
+servers; readiness turns SERVING once discovery has synced.  Stop order is the reverse, after a
+drain: readiness goes NOT_SERVING first so Envoy and Kubernetes move traffic elsewhere, in-flight
+requests are given ``drain_timeout`` to finish, then the ext_proc server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from epp.config import build_scheduler, load_config
+from epp.datastore import Datastore
+from epp.director import Director
+from epp.discovery import Discovery
+from epp.discovery.kubernetes import KubernetesDiscovery, PoolRef
+from epp.discovery.static import StaticDiscovery
+from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
+from epp.health import HealthService, add_health_service
+from epp.requests import DEFAULT_MAX_BODY_BYTES
+from epp.scheduler import Scheduler
+from epp.scraping import MetricsScraper
+from epp.telemetry import GaugeSample, Telemetry
+from scorers.base import PluginContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """Everything `epp serve` accepts; see ``epp.cli`` for each flag's documentation."""
+
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    host: str = "0.0.0.0"
+    config_file: str | None = None
+    config_text: str | None = None
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    pool_group: str = "inference.networking.k8s.io"
+    endpoints: str | None = None
+    endpoints_file: str | None = None
+    kv_events_port: int | None = 5557
+    kv_events_replay_port: int | None = None
+    refresh_metrics_interval: float = 0.05
+    metrics_timeout: float = 1.0
+    saturation_staleness: float = 0.2
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = 30.0
+    tokenizer_workers: int = 2
+
+
+class EndpointPicker:
+    """One running EPP.  `start` brings everything up; `stop` drains and tears it down."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.telemetry = Telemetry(pool_name=options.pool_name or "static")
+        self.datastore = Datastore(staleness_threshold=options.saturation_staleness)
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, options.tokenizer_workers), thread_name_prefix="epp-cpu"
+        )
+        self.context = PluginContext(endpoints=self.datastore, executor=self.executor)
+        config = load_config(
+            Path(options.config_file) if options.config_file else None, text=options.config_text
+        )
+        self.scheduler: Scheduler = build_scheduler(
+            config, self.context, on_plugin_duration=self.telemetry.observe_plugin
+        )
+        self.director = Director(self.datastore, self.scheduler, self.telemetry)
+        self.scraper = MetricsScraper(
+            self.datastore,
+            interval=options.refresh_metrics_interval,
+            timeout=options.metrics_timeout,
+        )
+        self.discovery: Discovery = self._discovery()
+        self.health = HealthService(lambda: self.datastore.synced)
+        self.extproc: ExtProcServer | None = None
+        self.health_server: HealthServer | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_port: int | None = None
+        self.telemetry.add_source(self._pool_samples)
+        self.telemetry.add_source(self._plugin_samples)
+
+    def _discovery(self) -> Discovery:
+        opts = self.options
+        if opts.pool_name:
+            if opts.endpoints or opts.endpoints_file:
+                raise ValueError(
+                    "--pool-name (Kubernetes discovery) and --endpoints/--endpoints-file (static) "
+                    "are mutually exclusive; pass one"
+                )
+            pool = PoolRef(
+                name=opts.pool_name, namespace=opts.pool_namespace, group=opts.pool_group
+            )
+            return KubernetesDiscovery(
+                self.datastore,
+                pool,
+                kv_events_port=opts.kv_events_port,
+                replay_port=opts.kv_events_replay_port,
+            )
+        return StaticDiscovery.from_flags(
+            self.datastore,
+            endpoints=opts.endpoints,
+            endpoints_file=opts.endpoints_file,
+            kv_events_port=opts.kv_events_port,
+            replay_port=opts.kv_events_replay_port,
+        )
+
+    async def start(self) -> None:
+        opts = self.options
+        await self.scheduler.start()
+        self.datastore.add_listener(self.scheduler)
+        self.datastore.add_listener(self.scraper)
+        await self.scraper.start()
+        await self.discovery.start()
+        self.health_server = await _start_health_server(
+            self.health, opts.host, opts.grpc_health_port
+        )
+        self.extproc = await start_extproc_server(
+            self.director,
+            port=opts.grpc_port,
+            host=opts.host,
+            settings=ExtProcSettings(max_body_bytes=opts.max_body_bytes),
+            # Envoy's ext_proc cluster health check asks the ext_proc port itself.
+            extra_services=(lambda server: add_health_service(server, self.health),),
+        )
+        await self._start_metrics_server()
+        logger.info(
+            "endpoint picker serving: ext_proc :%d, health :%d, metrics :%d",
+            self.extproc.port,
+            self.health_server.port,
+            self.metrics_port or 0,
+        )
+
+    async def stop(self) -> None:
+        """Drain, then stop in reverse order.  Safe to call once after `start` (even if it
+        failed part-way)."""
+        self.health.draining = True
+        if self.extproc is not None:
+            await self._drain()
+            await self.extproc.stop(grace=5.0)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=1.0)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        with contextlib.suppress(Exception):
+            await self.discovery.stop()
+        await self.scraper.stop()
+        await self.scheduler.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _drain(self) -> None:
+        """Wait until no routed request is in flight, at most ``drain_timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.drain_timeout
+        while loop.time() < deadline:
+            if self.datastore.pool_stats().in_flight_requests == 0:
+                return
+            await asyncio.sleep(0.1)
+        logger.warning("drain timeout reached with requests still in flight")
+
+    async def _start_metrics_server(self) -> None:
+        async def metrics(_: web.Request) -> web.Response:
+            body = generate_latest(self.telemetry.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.options.host, self.options.metrics_port)
+        await site.start()
+        self._metrics_runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.options.metrics_port
+
+    # -- scrape-time samples --------------------------------------------------------------------
+
+    def _pool_samples(self) -> Iterable[GaugeSample]:
+        pool = (("name", self.telemetry.pool_name),)
+        stats = self.datastore.pool_stats()
+        yield GaugeSample(
+            "inference_pool_ready_pods", "Ready endpoints in the pool.", stats.ready_endpoints, pool
+        )
+        if stats.average_kv_cache_usage is not None:
+            yield GaugeSample(
+                "inference_pool_average_kv_cache_utilization",
+                "Average KV-cache utilization (0..1) of endpoints with fresh metrics.",
+                stats.average_kv_cache_usage,
+                pool,
+            )
+        if stats.average_waiting_requests is not None:
+            yield GaugeSample(
+                "inference_pool_average_queue_size",
+                "Average waiting requests of endpoints with fresh metrics.",
+                stats.average_waiting_requests,
+                pool,
+            )
+        for ep in self.datastore.endpoints():
+            yield GaugeSample(
+                "inference_pool_per_pod_queue_size",
+                "Waiting requests per endpoint, as scraped.",
+                ep.metrics.waiting_requests,
+                (*pool, ("model_server_pod", ep.name or ep.address)),
+            )
+        for address, status in self.scraper.status.items():
+            yield GaugeSample(
+                "inference_extension_metrics_scrape_errors",
+                "Failed scrapes of an endpoint's /metrics since it was added.",
+                status.errors,
+                (("endpoint", address),),
+            )
+
+    def _plugin_samples(self) -> Iterable[GaugeSample]:
+        for plugin in self.scheduler.plugins:
+            samples = getattr(plugin, "telemetry_samples", None)
+            if callable(samples):
+                yield from samples()
+
+
+@dataclass(slots=True)
+class HealthServer:
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.server.stop(grace)
+
+
+async def _start_health_server(health: HealthService, host: str, port: int) -> HealthServer:
+    server = grpc.aio.server()
+    add_health_service(server, health)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC health server could not bind {host}:{port}")
+    await server.start()
+    return HealthServer(server=server, port=bound)
+
+
+async def serve(options: ServerOptions) -> None:
+    """Run until SIGTERM or SIGINT, then drain and stop."""
+    picker = EndpointPicker(options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await picker.start()
+        await stop.wait()
+        logger.info("signal received: draining (up to %.0f s)", options.drain_timeout)
+    finally:
+        await picker.stop()
