@@ -1,0 +1,271 @@
+"""Named hardware/model profiles: the numbers behind the simulator's step-time model.
+
+A profile answers two questions about one simulated vLLM pod: how much KV cache it holds, and how
+long one scheduler step (one forward pass over a continuous batch) takes.  The step-time model is a
+two-term roofline with an attention term, the form `kv-aware-routers.md` §8.3 gives for prefill
+(``α·n_new + β·n_new·(n_cached + n_new/2) + γ``) extended to mixed prefill/decode batches:
+
+    step = γ                                             fixed per-step overhead (scheduler, launch)
+         + max(c0, α · tokens_in_step)                   linear layers: weight streaming floor c0,
+                                                           else compute-bound at α per token
+         + β · Σ_prefill n_new · (n_cached + n_new / 2)  causal attention of new tokens over their
+                                                           cached context and over each other
+         + c1 · decode_seqs                              per-sequence cost (sampling, lm head, CPU)
+         + c2 · Σ_decode context_tokens                  KV reads of decoding sequences
+
+So prefill time grows with the uncached tokens *and* with the context they attend to (a cache hit
+removes the α term for the cached tokens but not the attention over them), and a decode step costs
+``c0 + c1·B + c2·ctx`` while the batch is memory-bound (α·B < c0), which is the regime that matters.
+
+`dense_gpu_profile` derives every coefficient from the model's shape and the GPU's datasheet, so
+the derivation is code, not folklore; the named profiles below state their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Final
+
+MIB: Final = 1024 * 1024
+GIB: Final = 1024 * MIB
+
+
+class ProfileError(ValueError):
+    """An unknown profile name or a profile with impossible parameters."""
+
+
+@dataclass(slots=True, frozen=True)
+class Profile:
+    """Timing coefficients (seconds) and capacity of one simulated pod."""
+
+    name: str
+    description: str
+    step_overhead_s: float
+    """γ: fixed cost of every step (scheduling, input preparation, kernel launches)."""
+    linear_s_per_token: float
+    """α: compute-bound cost of the linear layers per token in the step (2·params FLOPs)."""
+    attention_s_per_token_pair: float
+    """β: attention cost per (query token, context token) pair during prefill."""
+    weights_floor_s: float
+    """c0: a forward pass never takes less than streaming the weights from HBM once."""
+    decode_s_per_seq: float
+    """c1: per decoding sequence (lm head, sampling, per-request CPU work)."""
+    decode_s_per_context_token: float
+    """c2: KV bytes read per context token of a decoding sequence, over HBM bandwidth."""
+    kv_capacity_tokens: int
+    """Tokens of KV cache after weights and activations (`num_gpu_blocks × block_size`)."""
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        for field in (
+            "step_overhead_s",
+            "linear_s_per_token",
+            "attention_s_per_token_pair",
+            "weights_floor_s",
+            "decode_s_per_seq",
+            "decode_s_per_context_token",
+        ):
+            value = getattr(self, field)
+            if not value >= 0.0:
+                raise ProfileError(f"profile {self.name!r}: {field} must be >= 0, got {value!r}")
+        if self.kv_capacity_tokens < self.block_size:
+            raise ProfileError(
+                f"profile {self.name!r}: kv_capacity_tokens {self.kv_capacity_tokens} holds "
+                f"less than one block of {self.block_size} tokens"
+            )
+
+    def num_gpu_blocks(self, block_size: int | None = None) -> int:
+        """vLLM's ``num_gpu_blocks`` for this capacity at ``block_size`` (the profile's default
+        when None).  Like vLLM, one of them is the reserved null block."""
+        size = self.block_size if block_size is None else block_size
+        return max(2, self.kv_capacity_tokens // size)
+
+    def step_time(
+        self,
+        *,
+        prefill_tokens: int,
+        attention_pairs: float,
+        decode_seqs: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """Duration of one step.  ``attention_pairs`` is Σ n_new·(n_cached + n_new/2) over the
+        step's prefill chunks; ``decode_context_tokens`` the summed context of its decodes."""
+        linear = self.linear_s_per_token * (prefill_tokens + decode_seqs)
+        return (
+            self.step_overhead_s
+            + (linear if linear > self.weights_floor_s else self.weights_floor_s)
+            + self.attention_s_per_token_pair * attention_pairs
+            + self.decode_s_per_seq * decode_seqs
+            + self.decode_s_per_context_token * decode_context_tokens
+        )
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One prefill alone in a step (no chunking): the TTFT of an unloaded pod."""
+        return self.step_time(
+            prefill_tokens=new_tokens,
+            attention_pairs=new_tokens * (cached_tokens + new_tokens / 2),
+            decode_seqs=0,
+            decode_context_tokens=0,
+        )
+
+    def scaled(self, speedup: float) -> Profile:
+        """The same pod running ``speedup`` times faster: every duration divided by it (demos)."""
+        if not speedup > 0:
+            raise ProfileError(f"speedup must be > 0, got {speedup!r}")
+        if speedup == 1:
+            return self
+        return replace(
+            self,
+            name=f"{self.name}@x{speedup:g}",
+            step_overhead_s=self.step_overhead_s / speedup,
+            linear_s_per_token=self.linear_s_per_token / speedup,
+            attention_s_per_token_pair=self.attention_s_per_token_pair / speedup,
+            weights_floor_s=self.weights_floor_s / speedup,
+            decode_s_per_seq=self.decode_s_per_seq / speedup,
+            decode_s_per_context_token=self.decode_s_per_context_token / speedup,
+        )
+
+
+def dense_gpu_profile(
+    *,
+    name: str,
+    description: str,
+    params: float,
+    layers: int,
+    d_model: int,
+    kv_heads: int,
+    head_dim: int,
+    gpu_bf16_flops: float,
+    gpu_hbm_bytes_per_s: float,
+    gpu_memory_bytes: float,
+    mfu: float = 0.30,
+    bandwidth_efficiency: float = 0.80,
+    gpu_memory_utilization: float = 0.90,
+    runtime_reserve_bytes: float = 8 * GIB,
+    step_overhead_s: float = 1.5e-3,
+    decode_s_per_seq: float = 30e-6,
+    dtype_bytes: int = 2,
+    max_model_len: int = 8192,
+) -> Profile:
+    """Coefficients of a dense decoder-only transformer in bf16 on one GPU, from first principles.
+
+    * α = 2·params / (mfu · peak FLOPS): two FLOPs per weight per token in the linear layers.
+    * β = 4·layers·d_model / (mfu · peak FLOPS): QKᵀ and AV each cost 2·d_model FLOPs per
+      (query, key) pair per layer (GQA shares K/V heads but every query head still attends).
+    * c0 = params·dtype_bytes / (bandwidth_efficiency · HBM bandwidth): weights streamed once.
+    * c2 = kv_bytes_per_token / (bandwidth_efficiency · HBM bandwidth), with
+      kv_bytes_per_token = 2 (K and V) · layers · kv_heads · head_dim · dtype_bytes.
+    * KV capacity = (gpu_memory_utilization · memory − weights − runtime reserve) / kv_bytes_per_token,
+      as vLLM sizes its cache after profiling a forward pass (the reserve covers activations at
+      max_num_batched_tokens, CUDA graphs and the non-torch allocations).
+    * γ and c1 are not derivable from a datasheet: γ ≈ 1.5 ms is the order of vLLM V1's per-step
+      scheduling + input preparation with CUDA graphs; c1 ≈ 30 µs per sequence covers the lm head
+      (2·d_model·vocab FLOPs), sampling and per-request bookkeeping.
+    """
+    effective_flops = mfu * gpu_bf16_flops
+    effective_bandwidth = bandwidth_efficiency * gpu_hbm_bytes_per_s
+    weights_bytes = params * dtype_bytes
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    kv_bytes = gpu_memory_utilization * gpu_memory_bytes - weights_bytes - runtime_reserve_bytes
+    if kv_bytes < kv_bytes_per_token * max_model_len:
+        raise ProfileError(
+            f"profile {name!r}: {kv_bytes / GIB:.1f} GiB left for KV cache cannot hold one "
+            f"request of max_model_len {max_model_len} tokens"
+        )
+    return Profile(
+        name=name,
+        description=description,
+        step_overhead_s=step_overhead_s,
+        linear_s_per_token=2 * params / effective_flops,
+        attention_s_per_token_pair=4 * layers * d_model / effective_flops,
+        weights_floor_s=weights_bytes / effective_bandwidth,
+        decode_s_per_seq=decode_s_per_seq,
+        decode_s_per_context_token=kv_bytes_per_token / effective_bandwidth,
+        kv_capacity_tokens=int(kv_bytes // kv_bytes_per_token),
+        max_model_len=max_model_len,
+    )
+
+
+H100_SXM_BF16_FLOPS: Final = 989e12  # dense bf16, NVIDIA H100 SXM datasheet (1979 with sparsity)
+H100_SXM_HBM_BYTES_PER_S: Final = 3.35e12
+H100_80GB_MEMORY_BYTES: Final = 81_559 * MIB  # what nvidia-smi reports for an 80 GB H100
+A100_BF16_FLOPS: Final = 312e12
+A100_80GB_HBM_BYTES_PER_S: Final = 2.039e12
+A100_80GB_MEMORY_BYTES: Final = 81_920 * MIB
+
+LLAMA3_8B_H100: Final = dense_gpu_profile(
+    name="llama3-8b-h100",
+    description=(
+        "Llama-3.1-8B (8.03B params, 32 layers, d_model 4096, 8 KV heads × 128, bf16: "
+        "KV 128 KiB/token) on one 80 GB H100 SXM. Capacity: 0.9 × 79.6 GiB − 15.0 GiB weights "
+        "− 8 GiB runtime ≈ 48.7 GiB → ~399k tokens of KV (DESIGN.md: about 400k). Prefill at an "
+        "effective 30 % of 989 TFLOPS (end-to-end vLLM prefill, non-GEMM kernels included): "
+        "α ≈ 54 µs/token, so ~18k tokens/s on short prompts and ~15k tokens/s for a 15k-token "
+        "prompt once the attention term (β ≈ 1.8 ns per token pair) is added. Decode: the 16 GB "
+        "of weights over 80 % of 3.35 TB/s ≈ 6.0 ms per step, plus 49 ns per context token "
+        "(128 KiB each) and 30 µs per sequence. max_model_len 131072 (Llama-3.1 context)."
+    ),
+    params=8.03e9,
+    layers=32,
+    d_model=4096,
+    kv_heads=8,
+    head_dim=128,
+    gpu_bf16_flops=H100_SXM_BF16_FLOPS,
+    gpu_hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
+    gpu_memory_bytes=H100_80GB_MEMORY_BYTES,
+    max_model_len=131_072,
+)
+
+LLAMA3_8B_A100: Final = dense_gpu_profile(
+    name="llama3-8b-a100",
+    description=(
+        "Llama-3.1-8B in bf16 on one 80 GB A100 (312 TFLOPS bf16, 2.04 TB/s): same derivation "
+        "as llama3-8b-h100 — about 3.2× slower prefill, 1.6× slower decode, the same ~400k "
+        "tokens of KV."
+    ),
+    params=8.03e9,
+    layers=32,
+    d_model=4096,
+    kv_heads=8,
+    head_dim=128,
+    gpu_bf16_flops=A100_BF16_FLOPS,
+    gpu_hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S,
+    gpu_memory_bytes=A100_80GB_MEMORY_BYTES,
+    max_model_len=131_072,
+)
+
+TINY_CPU: Final = Profile(
+    name="tiny-cpu",
+    description=(
+        "A small, fast pod for demos and tests: 4096 tokens of KV (256 blocks of 16), 20 µs per "
+        "prefill token (a 1k-token prompt prefills in ~25 ms), decode steps of ~5 ms. Not a "
+        "model of any hardware; chosen so cache effects are visible within seconds."
+    ),
+    step_overhead_s=1e-3,
+    linear_s_per_token=20e-6,
+    attention_s_per_token_pair=2e-9,
+    weights_floor_s=4e-3,
+    decode_s_per_seq=100e-6,
+    decode_s_per_context_token=200e-9,
+    kv_capacity_tokens=4096,
+    max_model_len=4096,
+    max_num_batched_tokens=2048,
+    max_num_seqs=64,
+)
+
+PROFILES: Final[dict[str, Profile]] = {
+    p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100, TINY_CPU)
+}
+
+
+def get_profile(name: str) -> Profile:
+    """A named profile; raises `ProfileError` listing the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ProfileError(
+            f"unknown simulator profile {name!r}; known profiles: {', '.join(sorted(PROFILES))}"
+        ) from None
