@@ -37,8 +37,8 @@ from epp.health import HealthService, add_health_service
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
 from epp.scraping import MetricsScraper
-from epp.telemetry import GaugeSample, Telemetry
-from scorers.base import PluginContext
+from epp.telemetry import Telemetry
+from scorers.base import GaugeSample, PluginContext
 
 logger = logging.getLogger(__name__)
 

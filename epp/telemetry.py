@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scorers.base import GaugeSample
+
 # Decision latencies are sub-millisecond to tens of milliseconds.
 _LATENCY_BUCKETS: Final = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -29,16 +31,6 @@ _REQUEST_BUCKETS: Final = (
 )  # fmt: skip
 _TOKEN_BUCKETS: Final = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 1048576)
 _RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-
-
-@dataclass(slots=True, frozen=True)
-class GaugeSample:
-    """One value read at scrape time: metric name (without namespace), help, labels, value."""
-
-    name: str
-    documentation: str
-    value: float
-    labels: tuple[tuple[str, str], ...] = ()
 
 
 StatsSource = Callable[[], Iterable[GaugeSample]]

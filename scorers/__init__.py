@@ -3,6 +3,14 @@
 
 One module per plugin family; a new plugin is a new module here plus one import below."""
 
-from scorers import affinity, filters, load, pickers, prefix_approx, profiles
+from scorers import affinity, filters, load, pickers, precise_prefix, prefix_approx, profiles
 
-__all__ = ["affinity", "filters", "load", "pickers", "prefix_approx", "profiles"]
+__all__ = [
+    "affinity",
+    "filters",
+    "load",
+    "pickers",
+    "precise_prefix",
+    "prefix_approx",
+    "profiles",
+]

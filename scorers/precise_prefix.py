@@ -1,0 +1,355 @@
+"""``precise-prefix-cache-scorer``: scores endpoints by the prompt blocks their vLLM prefix cache
+really holds, from the pods' own KV events.
+
+Per request (`prepare`, a data producer): tokenize the prompt exactly as vLLM will (chat template
+for chat requests), hash its full blocks exactly as vLLM does, and look the keys up in the KV-block
+index; `score` is then the tier-weighted count of consecutive matched blocks over the request's
+full blocks, in [0, 1].  The matched counts also go to ``request.data`` for other plugins (the
+no-hit LRU scorer, the director's prefill accounting).
+
+Around requests: the plugin subscribes to every endpoint's KV-event publisher as endpoints come
+and go (per-endpoint SUB sockets, or one bound socket the pods connect to), feeds the index, and
+drops an endpoint's entries when it is removed.  The block size is configured, or learned from the
+pods (``vllm:cache_config_info`` or the first `BlockStored`): vLLM may pick it per platform.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from indexer.errors import IndexerError, TokenizationError
+from indexer.events import BlockStored, KVEventBatch
+from indexer.hashing import HASH_ALGOS, HashAlgo, HashConfig, PrefixHasher, event_key
+from indexer.index import DEFAULT_MAX_ENTRIES, KVBlockIndex
+from indexer.subscriber import CentralSubscriber, SubscriberConfig, SubscriberPool
+from indexer.tokenization import TokenizerRegistry
+from scorers.base import Endpoint, GaugeSample, LLMRequest, Plugin, PluginContext, register
+from scorers.request_data import (
+    PREFIX_MATCHED_TOKENS,
+    PREFIX_TOTAL_BLOCKS,
+    record_prefix_matches,
+)
+
+logger = logging.getLogger(__name__)
+
+# request.data key private to this plugin: its weighted match per endpoint, read by `score`.
+_SCORES = "precise-prefix.scores"
+
+
+class KVEventsParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["per-endpoint", "central"] = "per-endpoint"
+    """``per-endpoint``: a SUB socket connects to each pod's publisher (pods run vLLM with
+    ``"endpoint": "tcp://*:5557"``); needed for active-active EPP replicas.  ``central``: the EPP
+    binds ``bindAddress`` and pods connect to it (``"endpoint": "tcp://<epp>:5557"``)."""
+    bindAddress: str = "tcp://*:5557"
+    topicPrefix: str = ""
+    replayTimeoutSeconds: float = Field(default=1.0, gt=0, le=60)
+
+
+class PrecisePrefixParameters(BaseModel):
+    """Parameters of ``precise-prefix-cache-scorer``; defaults match vLLM's own defaults, so a
+    fleet started without prefix-caching flags works unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    blockSize: int | None = Field(default=None, ge=1, le=4096)
+    """The pods' ``--block-size``; unset = learned from the pods (metrics or events)."""
+    hashAlgo: str = "sha256"
+    """The pods' ``--prefix-caching-hash-algo`` (vLLM's default is ``sha256``)."""
+    hashSeed: str | None = None
+    """The pods' ``PYTHONHASHSEED`` as a string; unset when the pods leave it unset."""
+    tokenizer: str | None = None
+    """Tokenizer directory (or HF cache id) for every model not listed in ``tokenizers``."""
+    tokenizers: dict[str, str] = Field(default_factory=dict)
+    """Model name → tokenizer directory."""
+    loraAdapters: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapter name → the path it was registered with on the pods (vLLM hashes both);
+    requests naming an adapter use the tokenizer of ``baseModel``."""
+    baseModel: str | None = None
+    tierWeights: dict[str, float] = Field(default_factory=dict)
+    """Weight of a hit per medium: defaults GPU 1.0, CPU 0.8, STORAGE 0.5."""
+    maxIndexEntries: int = Field(default=DEFAULT_MAX_ENTRIES, ge=1_000)
+    selfCheck: bool = True
+    """Recompute the pods' hashes from their events and re-key pods that disagree."""
+    kvEvents: KVEventsParameters = Field(default_factory=KVEventsParameters)
+
+    @field_validator("hashAlgo")
+    @classmethod
+    def _known_algo(cls, value: str) -> str:
+        if value not in HASH_ALGOS:
+            raise ValueError(f"must be one of {', '.join(HASH_ALGOS)}")
+        return value
+
+
+@register("precise-prefix-cache-scorer")
+class PrecisePrefixCacheScorer(Plugin):
+    """Scorer, data producer, endpoint listener and lifecycle plugin; see the module docstring."""
+
+    Parameters = PrecisePrefixParameters
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        assert isinstance(params, PrecisePrefixParameters)
+        self.p = params
+        self.tokenizers = TokenizerRegistry(dict(params.tokenizers)) if params.tokenizers else None
+        self._default_registry = (
+            TokenizerRegistry({"*": params.tokenizer}) if params.tokenizer else None
+        )
+        self._block_size: int | None = params.blockSize
+        self._hasher: PrefixHasher | None = None
+        self._hasher_lock = threading.Lock()
+        self.index: KVBlockIndex | None = None
+        self._subscriber: SubscriberPool | CentralSubscriber | None = None
+        self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
+        self._warned: set[str] = set()
+        if self._block_size is not None:
+            self._configure(self._block_size)
+        # Fail at start-up, not on the first request, when the hash settings are impossible.
+        HashConfig(block_size=self._block_size or 16, algo=self._algo, seed=params.hashSeed)
+
+    @property
+    def _algo(self) -> HashAlgo:
+        algo: HashAlgo = self.p.hashAlgo  # type: ignore[assignment]  # validated above
+        return algo
+
+    # -- block size and the index ------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int | None:
+        return self._block_size
+
+    def _configure(self, block_size: int) -> None:
+        config = HashConfig(block_size=block_size, algo=self._algo, seed=self.p.hashSeed)
+        self._block_size = block_size
+        self._hasher = PrefixHasher(config)
+        self.index = KVBlockIndex(
+            max_entries=self.p.maxIndexEntries,
+            hash_config=config if self.p.selfCheck else None,
+            tier_weights=self.p.tierWeights or None,
+        )
+        logger.info(
+            "precise prefix index: block size %d, hash %s, PYTHONHASHSEED %s",
+            block_size,
+            self.p.hashAlgo,
+            "unset" if self.p.hashSeed is None else repr(self.p.hashSeed),
+        )
+
+    def _learn_block_size(self, endpoints: Iterable[Endpoint]) -> None:
+        sizes = {ep.metrics.block_size for ep in endpoints if ep.metrics.block_size}
+        if sizes:
+            self._configure(min(s for s in sizes if s is not None))
+
+    # -- KVEventSink (the subscriber delivers here) ------------------------------------------
+
+    def apply(self, endpoint: str, batch: KVEventBatch) -> None:
+        if self.index is None:
+            first = next((e for e in batch.events if isinstance(e, BlockStored)), None)
+            if first is None or not first.block_size:
+                return  # nothing indexed yet, so removals and clears change nothing
+            self._configure(first.block_size)
+        assert self.index is not None
+        self.index.apply(endpoint, batch)
+
+    def clear_endpoint(self, endpoint: str) -> int:
+        return self.index.clear_endpoint(endpoint) if self.index is not None else 0
+
+    # -- lifecycle and endpoints --------------------------------------------------------------
+
+    async def start(self) -> None:
+        events = self.p.kvEvents
+        config = SubscriberConfig(
+            topic_prefix=events.topicPrefix, replay_timeout_s=events.replayTimeoutSeconds
+        )
+        if events.mode == "central":
+            self._subscriber = CentralSubscriber(self, events.bindAddress, config)
+        else:
+            self._subscriber = SubscriberPool(self, config)
+        pending, self._pending = self._pending, {}
+        for endpoint in pending.values():
+            self.endpoint_added(endpoint)
+
+    async def stop(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.close()
+            self._subscriber = None
+
+    def endpoint_added(self, endpoint: Endpoint) -> None:
+        subscriber = self._subscriber
+        if subscriber is None:
+            self._pending[endpoint.address] = endpoint
+            return
+        if isinstance(subscriber, CentralSubscriber):
+            subscriber.add_endpoint(endpoint.address, endpoint.replay_url)
+        elif endpoint.kv_events_url:
+            subscriber.add_endpoint(endpoint.address, endpoint.kv_events_url, endpoint.replay_url)
+
+    def endpoint_removed(self, endpoint: Endpoint) -> None:
+        self._pending.pop(endpoint.address, None)
+        if self._subscriber is not None:
+            self._subscriber.remove_endpoint(endpoint.address)
+        if self.index is not None:
+            self.index.remove_endpoint(endpoint.address)
+
+    # -- the request path ---------------------------------------------------------------------
+
+    async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        if self._block_size is None:
+            self._learn_block_size(endpoints)
+            if self._block_size is None:
+                self._warn_once(
+                    "block-size",
+                    "block size not known yet (set blockSize, or wait for the pods' "
+                    "vllm:cache_config_info metric or first KV event); scoring without prefixes",
+                )
+                return
+        executor = self.context.executor
+        try:
+            if executor is None:
+                digests = self._tokenize_and_hash(request)
+            else:
+                loop = asyncio.get_running_loop()
+                digests = await loop.run_in_executor(executor, self._tokenize_and_hash, request)
+        except TokenizationError as exc:
+            self._warn_once(
+                f"tokenize:{request.model}", f"cannot tokenize for {request.model!r}: {exc}"
+            )
+            return
+        except IndexerError as exc:
+            self._warn_once(f"hash:{request.model}", f"cannot hash for {request.model!r}: {exc}")
+            return
+        if digests is None:
+            return
+        block_size = self._block_size
+        keys = [event_key(d) for d in digests]
+        request.data[PREFIX_TOTAL_BLOCKS] = len(keys)
+        request.data["precise-prefix.keys"] = keys
+        index = self.index
+        if index is None or not keys:
+            request.data[_SCORES] = {}
+            return
+        matches = index.prefix_match(keys, [ep.address for ep in endpoints])
+        total = len(keys)
+        request.data[_SCORES] = {a: m.weighted / total for a, m in matches.items() if m.blocks}
+        record_prefix_matches(request, {a: m.blocks for a, m in matches.items()})
+        tokens: dict[str, int] = request.data.setdefault(PREFIX_MATCHED_TOKENS, {})
+        for address, match in matches.items():
+            if match.blocks:
+                tokens[address] = max(tokens.get(address, 0), match.blocks * (block_size or 0))
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        scores: Mapping[str, float] = request.data.get(_SCORES, {})
+        return {ep.address: scores.get(ep.address, 0.0) for ep in endpoints}
+
+    def _tokenize_and_hash(self, request: LLMRequest) -> list[bytes] | None:
+        """Runs in the CPU executor: tokenization and hashing are the request path's heavy work."""
+        token_ids = request.prompt_token_ids
+        if token_ids is None:
+            token_ids = self._tokenize(request)
+            if token_ids is None:
+                return None
+            request.prompt_token_ids = token_ids
+        lora = request.model if request.model in self.p.loraAdapters else None
+        hasher = self._hasher
+        if hasher is None:
+            return None
+        with self._hasher_lock:  # PrefixHasher's cache is not thread-safe
+            return hasher.digests(
+                token_ids,
+                lora_name=lora,
+                lora_path=self.p.loraAdapters.get(lora) if lora else None,
+                cache_salt=request.cache_salt,
+            )
+
+    def _tokenize(self, request: LLMRequest) -> list[int] | None:
+        if request.kind == "completions" and isinstance(request.prompt, list):
+            return list(request.prompt)
+        model = request.model
+        if model in self.p.loraAdapters and self.p.baseModel:
+            model = self.p.baseModel
+        tokenizer = self._tokenizer_for(model)
+        if tokenizer is None:
+            self._warn_once(
+                f"no-tokenizer:{model}",
+                f"no tokenizer configured for model {model!r} (set tokenizers or tokenizer); "
+                "its requests are scored without prefixes",
+            )
+            return None
+        if request.kind == "chat" and request.messages is not None:
+            body = request.body
+            kwargs: dict[str, Any] = {
+                "tools": body.get("tools"),
+                "chat_template_kwargs": body.get("chat_template_kwargs"),
+                "add_generation_prompt": body.get("add_generation_prompt", True),
+                "continue_final_message": body.get("continue_final_message", False),
+            }
+            ids: list[int] = tokenizer.encode_chat(request.messages, **kwargs)
+            return ids
+        if isinstance(request.prompt, str):
+            ids = tokenizer.encode_completion(request.prompt)
+            return ids
+        return None
+
+    def _tokenizer_for(self, model: str) -> Any:
+        if self.tokenizers is not None and model in self.tokenizers:
+            return self.tokenizers.get(model)
+        if self._default_registry is not None:
+            return self._default_registry.get("*")
+        return None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s: %s", self.name, message)
+
+    # -- telemetry -----------------------------------------------------------------------------
+
+    def telemetry_samples(self) -> Iterable[GaugeSample]:
+        index = self.index
+        if index is not None:
+            yield GaugeSample(
+                "inference_extension_kv_index_entries",
+                "(block, endpoint) entries in the precise KV-block index.",
+                index.entries,
+            )
+            yield GaugeSample(
+                "inference_extension_prefix_indexer_size",
+                "Distinct block keys in the precise KV-block index.",
+                index.blocks,
+            )
+            yield GaugeSample(
+                "inference_extension_kv_index_evictions",
+                "Index entries evicted because maxIndexEntries was reached (cumulative).",
+                index.evictions_total,
+            )
+            for endpoint, count in index.mismatches.items():
+                yield GaugeSample(
+                    "inference_extension_kv_hash_mismatches",
+                    "KV events whose block hashes disagreed with the EPP's (cumulative); the "
+                    "endpoint is then indexed by the EPP's own hashes of its tokens.",
+                    count,
+                    (("endpoint", endpoint),),
+                )
+        subscriber = self._subscriber
+        if subscriber is not None:
+            stats = subscriber.stats
+            for field, help_text in (
+                ("events", "KV events ingested (cumulative)."),
+                ("batches_applied", "KV-event batches applied (cumulative)."),
+                ("decode_errors", "KV-event payloads dropped as undecodable (cumulative)."),
+                ("malformed_frames", "KV-event messages dropped as malformed (cumulative)."),
+                ("gaps_detected", "Sequence gaps in KV-event streams (cumulative)."),
+                ("gaps_recovered", "Sequence gaps recovered by replay (cumulative)."),
+                ("gaps_unrecovered", "Sequence gaps that replay could not fill (cumulative)."),
+                ("restarts_detected", "Pod restarts detected by sequence resets (cumulative)."),
+            ):
+                yield GaugeSample(
+                    f"inference_extension_kv_events_{field}", help_text, getattr(stats, field)
+                )
