@@ -24,5 +24,14 @@ def load_vectors() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def llama3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Llama-3 tokenizer directory (with a chat template), built offline once per test
+    session by the same builder the demo uses."""
+    from indexer.tokenizer_assets import build_llama3_tokenizer_dir
+
+    return build_llama3_tokenizer_dir(tmp_path_factory.mktemp("llama3-tokenizer"))
+
+
+@pytest.fixture(scope="session")
 def vectors() -> dict[str, Any]:
     return load_vectors()

@@ -46,12 +46,6 @@ HI_THERE_PROMPT = (
 
 
 @pytest.fixture(scope="session")
-def llama3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real Llama-3 tokenizer directory, built offline once per test session."""
-    return build_llama3_tokenizer_dir(tmp_path_factory.mktemp("llama3-tokenizer"))
-
-
-@pytest.fixture(scope="session")
 def llama3_hf(llama3_tokenizer_dir: Path) -> Any:
     return load_hf_tokenizer(llama3_tokenizer_dir)
 

@@ -1,0 +1,242 @@
+"""precise-prefix-cache-scorer: tokenize and hash as vLLM would, score from the KV-event index."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from indexer.events import BlockRemoved, BlockStored, KVEventBatch
+from indexer.hashing import block_hashes
+from indexer.tokenization import PromptTokenizer
+from scorers.base import (
+    Endpoint,
+    EndpointMetrics,
+    LLMRequest,
+    PluginConfigError,
+    PluginContext,
+    create_plugin,
+)
+from scorers.precise_prefix import PrecisePrefixCacheScorer
+from scorers.request_data import (
+    PREFIX_MATCHED_BLOCKS,
+    PREFIX_MATCHED_TOKENS,
+    PREFIX_TOTAL_BLOCKS,
+)
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+class _Endpoints:
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        self._eps = endpoints
+
+    def endpoints(self) -> list[Endpoint]:
+        return self._eps
+
+    def get(self, address: str) -> Endpoint | None:
+        return next((e for e in self._eps if e.address == address), None)
+
+
+def _endpoints() -> list[Endpoint]:
+    return [Endpoint(address=a) for a in (A, B, C)]
+
+
+def _plugin(
+    params: dict[str, Any], endpoints: list[Endpoint] | None = None
+) -> PrecisePrefixCacheScorer:
+    context = PluginContext(endpoints=_Endpoints(endpoints or _endpoints()))
+    plugin = create_plugin("precise-prefix-cache-scorer", "precise", params, context)
+    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    return plugin
+
+
+def _stored(
+    tokens: list[int],
+    *,
+    block_size: int,
+    algo: str = "sha256",
+    seed: str | None = None,
+    salt: str | None = None,
+) -> KVEventBatch:
+    keys = block_hashes(tokens, block_size=block_size, algo=algo, seed=seed, cache_salt=salt)  # type: ignore[arg-type]
+    usable = tokens[: len(keys) * block_size]
+    event = BlockStored(
+        block_hashes=tuple(keys),
+        parent_block_hash=None,
+        token_ids=tuple(usable),
+        block_size=block_size,
+        medium="GPU",
+        # As vLLM publishes them: the salt (untagged) on block 0 only.
+        extra_keys=((salt,) if salt else None, *(None,) * (len(keys) - 1)),
+    )
+    return KVEventBatch(ts=0.0, events=(event,))
+
+
+def _chat(messages: list[dict[str, Any]]) -> LLMRequest:
+    return LLMRequest(
+        request_id="r",
+        model="m",
+        kind="chat",
+        messages=messages,
+        body={"model": "m", "messages": messages},
+    )
+
+
+def _score(
+    plugin: PrecisePrefixCacheScorer, request: LLMRequest, endpoints: list[Endpoint] | None = None
+) -> dict[str, float]:
+    eps = endpoints or _endpoints()
+    asyncio.run(plugin.prepare(request, eps))
+    return plugin.score(request, eps)
+
+
+def test_chat_prefix_held_by_one_pod_scores_highest(llama3_tokenizer_dir: Path) -> None:
+    plugin = _plugin({"blockSize": 16, "tokenizer": str(llama3_tokenizer_dir)})
+    tok = PromptTokenizer.from_pretrained(llama3_tokenizer_dir)
+    system = {"role": "system", "content": "You are a support agent for ACME. " * 40}
+    first = [system, {"role": "user", "content": "My router blinks red."}]
+    # Pod A served the first turn: it caches every full block of that prompt.
+    plugin.apply(A, _stored(tok.encode_chat(first), block_size=16))
+    # Pod B only ever saw the system prompt alone.
+    plugin.apply(B, _stored(tok.encode_chat([system]), block_size=16))
+
+    follow_up = _chat(
+        [
+            *first,
+            {"role": "assistant", "content": "Try a reset."},
+            {"role": "user", "content": "Done, still red."},
+        ]
+    )
+    scores = _score(plugin, follow_up)
+    assert scores[A] > scores[B] > scores[C] == 0.0
+    total = follow_up.data[PREFIX_TOTAL_BLOCKS]
+    assert total == len(tok.encode_chat(follow_up.messages or [])) // 16
+    matched = follow_up.data[PREFIX_MATCHED_BLOCKS]
+    assert scores[A] == pytest.approx(matched[A] / total)
+    assert follow_up.data[PREFIX_MATCHED_TOKENS][A] == matched[A] * 16
+    assert follow_up.prompt_token_ids == tok.encode_chat(follow_up.messages or [])
+
+
+def test_completions_with_token_ids_need_no_tokenizer_and_salt_separates_tenants() -> None:
+    plugin = _plugin({"blockSize": 4})
+    tokens = list(range(1000, 1040))
+    plugin.apply(A, _stored(tokens, block_size=4))
+    plugin.apply(B, _stored(tokens, block_size=4, salt="tenant-b"))
+    plain = LLMRequest(request_id="1", model="m", prompt=tokens)
+    assert _score(plugin, plain) == {A: 1.0, B: 0.0, C: 0.0}
+    salted = LLMRequest(request_id="2", model="m", prompt=tokens, cache_salt="tenant-b")
+    assert _score(plugin, salted) == {A: 0.0, B: 1.0, C: 0.0}
+
+
+def test_removed_blocks_stop_counting() -> None:
+    plugin = _plugin({"blockSize": 4})
+    tokens = list(range(1, 33))
+    batch = _stored(tokens, block_size=4)
+    plugin.apply(A, batch)
+    stored = batch.events[0]
+    assert isinstance(stored, BlockStored)
+    # Evicting block 3 cuts the consecutive match at 3 blocks of 8.
+    plugin.apply(
+        A, KVEventBatch(ts=1.0, events=(BlockRemoved(block_hashes=(stored.block_hashes[3],)),))
+    )
+    request = LLMRequest(request_id="r", model="m", prompt=tokens)
+    assert _score(plugin, request)[A] == pytest.approx(3 / 8)
+
+
+def test_block_size_is_learned_from_the_first_event() -> None:
+    plugin = _plugin({})
+    assert plugin.block_size is None
+    tokens = list(range(64))
+    plugin.apply(A, _stored(tokens, block_size=32))
+    assert plugin.block_size == 32
+    assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
+
+
+def test_block_size_is_learned_from_cache_config_metrics() -> None:
+    eps = _endpoints()
+    eps[0].metrics = EndpointMetrics(block_size=8)
+    plugin = _plugin({}, eps)
+    request = LLMRequest(request_id="r", model="m", prompt=list(range(40)))
+    _score(plugin, request, eps)
+    assert plugin.block_size == 8
+    assert request.data[PREFIX_TOTAL_BLOCKS] == 5
+
+
+def test_unknown_block_size_scores_zero_without_failing() -> None:
+    plugin = _plugin({})
+    request = LLMRequest(request_id="r", model="m", prompt=list(range(40)))
+    assert _score(plugin, request) == {A: 0.0, B: 0.0, C: 0.0}
+
+
+def test_pod_with_a_different_seed_is_rekeyed_and_still_found() -> None:
+    plugin = _plugin({"blockSize": 4, "hashSeed": "0"})
+    tokens = [random.Random(1).randrange(50_000) for _ in range(32)]
+    plugin.apply(A, _stored(tokens, block_size=4, seed="42"))  # pod misconfigured
+    assert plugin.index is not None and plugin.index.mismatches == {A: 1}
+    assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
+
+
+def test_missing_tokenizer_degrades_to_no_prefix_information() -> None:
+    plugin = _plugin({"blockSize": 16})
+    request = _chat([{"role": "user", "content": "hello"}])
+    assert _score(plugin, request) == {A: 0.0, B: 0.0, C: 0.0}
+    assert request.prompt_token_ids is None
+
+
+def test_lora_requests_hash_with_the_adapter_name_and_path(llama3_tokenizer_dir: Path) -> None:
+    plugin = _plugin(
+        {
+            "blockSize": 4,
+            "tokenizers": {"base": str(llama3_tokenizer_dir)},
+            "loraAdapters": {"sql-lora": "/adapters/sql-lora"},
+            "baseModel": "base",
+        }
+    )
+    tokens = list(range(500, 532))
+    keys = block_hashes(
+        tokens, block_size=4, algo="sha256", lora_name="sql-lora", lora_path="/adapters/sql-lora"
+    )
+    event = BlockStored(
+        block_hashes=tuple(keys),
+        parent_block_hash=None,
+        token_ids=tuple(tokens),
+        block_size=4,
+        lora_name="sql-lora",
+        extra_keys=(("sql-lora",),) * 8,
+    )
+    plugin.apply(A, KVEventBatch(ts=0.0, events=(event,)))
+    lora = LLMRequest(request_id="r", model="sql-lora", prompt=tokens)
+    base = LLMRequest(request_id="s", model="base", prompt=tokens)
+    assert _score(plugin, lora)[A] == 1.0
+    assert _score(plugin, base)[A] == 0.0
+
+
+def test_endpoint_removal_drops_its_entries() -> None:
+    plugin = _plugin({"blockSize": 4})
+    tokens = list(range(16))
+    plugin.apply(A, _stored(tokens, block_size=4))
+    plugin.endpoint_removed(Endpoint(address=A))
+    assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"hashAlgo": "md5"}, "hashAlgo"),
+        ({"blockSize": 0}, "blockSize"),
+        ({"kvEvents": {"mode": "p2p"}}, "kvEvents.mode"),
+        ({"nope": 1}, "nope"),
+    ],
+)
+def test_bad_parameters_name_the_field(params: dict[str, Any], field: str) -> None:
+    with pytest.raises(PluginConfigError, match=field.replace(".", r"\.")):
+        _plugin(params)
+
+
+def test_xxhash_without_seed_fails_at_startup() -> None:
+    with pytest.raises(Exception, match="PYTHONHASHSEED"):
+        _plugin({"hashAlgo": "xxhash"})
