@@ -1,0 +1,256 @@
+"""Decision latency of the endpoint picker, measured through its real ext_proc gRPC server.
+
+    python -m benchmarks.decision [--endpoints 16] [--requests 200] [--json OUT] [--envoy]
+
+What is timed, per request: a gRPC client sends the ext_proc ``request_headers`` and the whole
+``request_body`` on one stream, and the clock stops when the EPP's headers response (carrying
+the destination) arrives.  That covers parsing, tokenization (chat template), vLLM block hashing,
+the KV-index lookup, every scorer and the picker.  The configuration is the precise scorer with
+the queue and KV-utilization scorers (weights 3/2/2) over ``--endpoints`` static endpoints, four
+of which hold the shared system prompt in the KV index.
+
+Cases: 2k- and 8k-token chat prompts, ``cold`` (every prompt new: tokenize and hash everything)
+and ``warm`` (a shared system prompt seen before, a new user turn: DESIGN.md's "prefix seen
+recently" case).  ``schedule-only`` times the scheduler core alone (filters, scorers, picker)
+with 64 endpoints and an 8k-token prompt.  ``--envoy`` adds the latency Envoy + ext_proc add to
+a request, against the same backend reached directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from epp.config import build_scheduler, load_config
+from epp.datastore import Datastore, EndpointSpec
+from epp.director import Director
+from epp.extproc import start_extproc_server
+from indexer.events import BlockStored, KVEventBatch
+from indexer.hashing import block_hashes
+from indexer.tokenization import PromptTokenizer
+from indexer.tokenizer_assets import build_llama3_tokenizer_dir
+from scorers.base import EndpointMetrics, LLMRequest, PluginContext
+from scorers.precise_prefix import PrecisePrefixCacheScorer
+
+WORDS = [
+    "account",
+    "billing",
+    "router",
+    "firmware",
+    "reset",
+    "password",
+    "invoice",
+    "refund",
+    "shipping",
+    "delay",
+    "warranty",
+    "support",
+    "ticket",
+    "priority",
+    "escalate",
+    "network",
+    "outage",
+    "battery",
+    "screen",
+    "update",
+    "install",
+    "license",
+]
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    # About one Llama-3 token per word plus a space.
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+def _config(tokenizer_dir: Path) -> str:
+    return f"""
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters: {{blockSize: 16, tokenizer: "{tokenizer_dir}"}}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: precise-prefix-cache-scorer, weight: 3}}
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
+"""
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "mean_ms": 1000 * statistics.fmean(ordered),
+    }
+
+
+async def _one_decision(stub: Any, body: bytes) -> float:
+    headers = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+                base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+            ]
+        ),
+        end_of_stream=False,
+    )
+    queue: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
+
+    async def messages() -> AsyncIterator[ep.ProcessingRequest]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    start = time.perf_counter()
+    call = stub.Process(messages())
+    await queue.put(ep.ProcessingRequest(request_headers=headers))
+    await queue.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)))
+    async for response in call:
+        if response.HasField("request_headers") or response.HasField("immediate_response"):
+            elapsed = time.perf_counter() - start
+            break
+    else:
+        raise RuntimeError("stream ended without a headers response")
+    await queue.put(None)
+    call.cancel()
+    return elapsed
+
+
+async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) -> dict[str, Any]:
+    datastore = Datastore(staleness_threshold=None)
+    addresses = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
+    for address in addresses:
+        datastore.upsert(EndpointSpec(address=address))
+        datastore.update_metrics(address, EndpointMetrics(waiting_requests=random.randrange(4)))
+    context = PluginContext(endpoints=datastore)
+    from concurrent.futures import ThreadPoolExecutor
+
+    context.executor = ThreadPoolExecutor(max_workers=2)
+    scheduler = build_scheduler(load_config(text=_config(tokenizer_dir)), context)
+    plugin = scheduler.plugin("precise-prefix-cache-scorer")
+    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    director = Director(datastore, scheduler)
+    server = await start_extproc_server(director, port=0, host="127.0.0.1")
+    tok = PromptTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(7)
+    results: dict[str, Any] = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            for size in (2048, 8192):
+                system = _text(rng, size - 200)
+                shared = [{"role": "system", "content": system}]
+                # Four pods hold the shared system prompt, so lookups walk real index entries.
+                ids = tok.encode_chat(shared)
+                keys = block_hashes(ids, block_size=16, algo="sha256")
+                stored = BlockStored(
+                    block_hashes=tuple(keys),
+                    parent_block_hash=None,
+                    token_ids=tuple(ids[: 16 * len(keys)]),
+                    block_size=16,
+                    extra_keys=(None,) * len(keys),
+                )
+                for address in addresses[:4]:
+                    plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
+
+                def body(messages: list[dict[str, Any]]) -> bytes:
+                    return json.dumps({"model": "llama3", "messages": messages}).encode()
+
+                cases: dict[str, Callable[[], bytes]] = {
+                    "cold": lambda size=size: body(
+                        [
+                            {"role": "system", "content": _text(rng, size - 200)},
+                            {"role": "user", "content": _text(rng, 150)},
+                        ]
+                    ),
+                    "warm": lambda shared=shared: body(
+                        [*shared, {"role": "user", "content": _text(rng, 150)}]
+                    ),
+                }
+                for name, make in cases.items():
+                    for _ in range(5):  # warm-up: connections, first tokenizer load
+                        await _one_decision(stub, make())
+                    samples = [await _one_decision(stub, make()) for _ in range(requests)]
+                    results[f"chat {size // 1024}k {name}"] = _percentiles(samples)
+    finally:
+        await server.stop(grace=None)
+        await scheduler.stop()
+        context.executor.shutdown()
+    return results
+
+
+def run_schedule_only(endpoints: int, requests: int) -> dict[str, Any]:
+    """The synchronous scheduler core (scores from prepared data), as DESIGN.md's ≤ 1 ms target."""
+    datastore = Datastore(staleness_threshold=None)
+    for i in range(endpoints):
+        address = f"10.1.0.{i + 1}:8000"
+        datastore.upsert(EndpointSpec(address=address))
+        datastore.update_metrics(address, EndpointMetrics(waiting_requests=i % 5))
+    context = PluginContext(endpoints=datastore)
+    text = _config(Path("/nonexistent"))
+    scheduler = build_scheduler(load_config(text=text), context)
+    plugin = scheduler.plugin("precise-prefix-cache-scorer")
+    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    tokens = [random.randrange(100_000) for _ in range(8192)]
+    keys = block_hashes(tokens, block_size=16, algo="sha256")
+    stored = BlockStored(
+        block_hashes=tuple(keys),
+        parent_block_hash=None,
+        token_ids=tuple(tokens),
+        block_size=16,
+        extra_keys=(None,) * len(keys),
+    )
+    for ep_ in datastore.endpoints()[:8]:
+        plugin.apply(ep_.address, KVEventBatch(ts=0.0, events=(stored,)))
+    candidates = datastore.endpoints()
+    samples = []
+    for i in range(requests + 20):
+        request = LLMRequest(request_id=str(i), model="m", prompt=tokens)
+        asyncio.run(scheduler.prepare(request, candidates))  # hashing + lookup, not timed
+        start = time.perf_counter()
+        scheduler.run_profiles(request, candidates)
+        if i >= 20:
+            samples.append(time.perf_counter() - start)
+    return {f"schedule-only {endpoints} endpoints 8k": _percentiles(samples)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--endpoints", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = build_llama3_tokenizer_dir(Path(tmp) / "tok")
+        results = asyncio.run(run_extproc_cases(args.endpoints, args.requests, tokenizer_dir))
+    results.update(run_schedule_only(64, args.requests))
+    print(f"{'case':34} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    for name, row in results.items():
+        print(f"{name:34} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['mean_ms']:8.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
