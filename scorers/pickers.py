@@ -55,6 +55,25 @@ class RandomPicker(_Picker):
         return [s.endpoint for s in chosen]
 
 
+@register("round-robin-picker")
+class RoundRobinPicker(_Picker):
+    """Each candidate in turn (ordered by address), ignoring scores: the cache-blind policy a
+    Kubernetes Service gives, kept as a baseline for benchmarks and the demo."""
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        self._next = 0
+
+    def pick(self, request: LLMRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
+        if not scored:
+            return []
+        ordered = sorted((s.endpoint for s in scored), key=lambda ep: ep.address)
+        start = self._next % len(ordered)
+        self._next += 1
+        count = min(self.max_endpoints, len(ordered))
+        return [ordered[(start + i) % len(ordered)] for i in range(count)]
+
+
 @register("weighted-random-picker")
 class WeightedRandomPicker(_Picker):
     """Random targets with probability proportional to score: weighted sampling without

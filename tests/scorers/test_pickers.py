@@ -95,3 +95,18 @@ def test_weighted_random_picker_all_zero_is_uniform() -> None:
 def test_max_num_of_endpoints_range(picker: str, value: int) -> None:
     with pytest.raises(PluginConfigError, match=r"parameters\.maxNumOfEndpoints"):
         make(picker, {"maxNumOfEndpoints": value})
+
+
+def test_round_robin_picker_cycles_through_candidates_ignoring_scores() -> None:
+    endpoints = [endpoint(f"10.0.0.{i}:80") for i in (3, 1, 2)]
+    scored = [
+        ScoredEndpoint(ep, score) for ep, score in zip(endpoints, (0.0, 5.0, 1.0), strict=True)
+    ]
+    picker = make("round-robin-picker", {"maxNumOfEndpoints": 2})
+    picks = [[ep.address for ep in picker.pick(request(), scored)] for _ in range(4)]
+    assert picks == [
+        ["10.0.0.1:80", "10.0.0.2:80"],
+        ["10.0.0.2:80", "10.0.0.3:80"],
+        ["10.0.0.3:80", "10.0.0.1:80"],
+        ["10.0.0.1:80", "10.0.0.2:80"],
+    ]
