@@ -364,7 +364,7 @@ class Engine:
         any scheme as long as equal prefixes get equal keys) to skip tokens altogether.  Steps
         that end by ``now`` run first.  Raises `RequestRejected` for a request vLLM would refuse.
         """
-        self._run_until(now)
+        self._run_until(now, start_due_step=False)
         if req_id in self._requests:
             raise RequestRejected(f"request id {req_id!r} is already in the engine")
         size = self.config.block_size
@@ -450,7 +450,7 @@ class Engine:
     def abort(self, req_id: str, now: float) -> RequestStats | None:
         """Cancel a request (client went away).  Its blocks are freed at once, as vLLM does; a
         step in flight still ends but produces nothing for it.  None if the id is unknown."""
-        self._run_until(now)
+        self._run_until(now, start_due_step=False)
         request = self._requests.pop(req_id, None)
         if request is None:
             return None
@@ -481,14 +481,19 @@ class Engine:
         result, self._pending = self._pending, AdvanceResult()
         return result
 
-    def _run_until(self, now: float) -> None:
+    def _run_until(self, now: float, *, start_due_step: bool = True) -> None:
+        """Complete the steps that end by ``now``.  A step due to start exactly at ``now`` is
+        started only by `advance` (``start_due_step``): a request added at that same instant
+        still joins it, so a burst of simultaneous arrivals is batched together."""
         if now < self._now:
             raise EngineError(f"time went backwards: {now} < {self._now}")
         self._now = now
         while True:
             step = self._inflight
             if step is None:
-                if not (self._running or self._waiting) or self._free_at > now:
+                if not (self._running or self._waiting):
+                    return
+                if self._free_at > now or (self._free_at == now and not start_due_step):
                     return
                 step = self._schedule(self._free_at)
                 if step is None:
