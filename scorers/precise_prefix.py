@@ -164,6 +164,14 @@ class PrecisePrefixCacheScorer(Plugin):
     # -- lifecycle and endpoints --------------------------------------------------------------
 
     async def start(self) -> None:
+        # Load tokenizers now rather than on the first request: a transformers import and a
+        # tokenizer load take seconds, which would stall every request of the first burst.
+        loop = asyncio.get_running_loop()
+        for model in self.p.tokenizers or ([] if self.p.tokenizer is None else ["*"]):
+            try:
+                await loop.run_in_executor(self.context.executor, self._tokenizer_for, model)
+            except TokenizationError as exc:
+                self._warn_once(f"tokenize:{model}", f"tokenizer for {model!r} unusable: {exc}")
         events = self.p.kvEvents
         config = SubscriberConfig(
             topic_prefix=events.topicPrefix, replay_timeout_s=events.replayTimeoutSeconds
@@ -300,7 +308,7 @@ class PrecisePrefixCacheScorer(Plugin):
     def _tokenizer_for(self, model: str) -> Any:
         if self.tokenizers is not None and model in self.tokenizers:
             return self.tokenizers.get(model)
-        if self._default_registry is not None:
+        if self._default_registry is not None and model not in self.p.tokenizers:
             return self._default_registry.get("*")
         return None
 
