@@ -398,6 +398,8 @@ class Engine:
                     f"block_keys has {len(keys)} entries; a {prompt_len}-token prompt has "
                     f"{full_blocks} full blocks of {size}"
                 )
+        elif not self.config.enable_prefix_caching:
+            keys = []  # nothing is ever looked up or cached: skip the hashing
         elif tokens is not None:
             digests = self._prefix_hasher().digests(
                 tokens,
