@@ -489,7 +489,7 @@ async def run_demo(
     gateway = f"http://127.0.0.1:{listen_port}"
     rng = random.Random(args.seed)
     system = system_prompt(rng)
-    results = []
+    results: list[ConfigResult] = []
     first = Path(args.config).read_text() if args.config else default_config(tokenizer_dir)
     configs = [
         ("kv-epp default" if not args.config else Path(args.config).name, first),

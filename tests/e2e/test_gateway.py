@@ -1,0 +1,334 @@
+"""The product end to end: real Envoy → `epp serve` (ext_proc) → simulated vLLM pods that publish
+KV events over real ZMQ in vLLM's wire format and serve vLLM's /metrics.
+
+Everything runs as separate processes on loopback, started once for the module.  The EPP's
+configuration is pinned here (precise prefix, queue and KV utilization, weight 1 each) so these
+tests do not move when the default changes.  Equal weights on purpose: with the Inference
+Extension's 3/2/2, a prefix match of 0.95 outweighs a full queue (3 × 0.95 > 2 × 1), so a hot
+prefix herds onto one pod until its KV cache fills; the load test below would measure that
+weakness instead of the weighing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from epp.envoy_bootstrap import render_envoy_config, start_envoy
+from simulator.demo import Processes, _free_port, _spawn, _wait_grpc_ready, _wait_http
+
+pytestmark = pytest.mark.slow
+
+MODEL = "e2e-llama3"
+CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters: {{tokenizer: "{tokenizer}"}}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: precise-prefix-cache-scorer, weight: 1}}
+  - {{pluginRef: queue-scorer, weight: 1}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
+"""
+
+
+@dataclass
+class Stack:
+    gateway: str
+    pods: list[str]
+    epp_metrics: str
+    work_dir: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("e2e")
+    procs = Processes()
+    try:
+        pods, endpoints = [], []
+        for i in range(2):
+            http, pub, replay = _free_port(), _free_port(), _free_port()
+            log = work / f"pod-{i}.log"
+            procs.add(
+                f"pod-{i}",
+                _spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "simulator",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(http),
+                        "--model",
+                        MODEL,
+                        "--tokenizer",
+                        str(llama3_tokenizer_dir),
+                        "--speedup",
+                        "5",
+                        "--max-num-seqs",
+                        "2",
+                        "--kv-events-port",
+                        str(pub),
+                        "--replay-port",
+                        str(replay),
+                        "--seed",
+                        str(i),
+                    ],
+                    log,
+                ),
+            )
+            pods.append(f"127.0.0.1:{http}")
+            endpoints.append(
+                {
+                    "address": pods[-1],
+                    "kvEventsUrl": f"tcp://127.0.0.1:{pub}",
+                    "replayUrl": f"tcp://127.0.0.1:{replay}",
+                }
+            )
+        for i, pod in enumerate(pods):
+            asyncio.run(
+                _wait_http(f"http://{pod}/health", procs.procs[i][1], work / f"pod-{i}.log")
+            )
+        (work / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
+        (work / "config.yaml").write_text(CONFIG.format(tokenizer=llama3_tokenizer_dir))
+        grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+        epp_log = work / "epp.log"
+        epp = _spawn(
+            [
+                sys.executable,
+                "-m",
+                "epp.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(grpc_port),
+                "--grpc-health-port",
+                str(health_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--endpoints-file",
+                str(work / "endpoints.yaml"),
+                "--config-file",
+                str(work / "config.yaml"),
+                "--drain-timeout",
+                "1s",
+            ],
+            epp_log,
+        )
+        procs.add("epp", epp)
+        _wait_grpc_ready(health_port, epp, epp_log)
+        listen, admin = _free_port(), _free_port()
+        procs.envoy = start_envoy(
+            render_envoy_config(
+                listen_port=listen,
+                extproc_port=grpc_port,
+                admin_port=admin,
+                listen_host="127.0.0.1",
+                admin_host="127.0.0.1",
+            ),
+            admin_port=admin,
+            listen_port=listen,
+            workdir=work,
+            log_level="warning",
+        )
+        yield Stack(
+            f"http://127.0.0.1:{listen}", pods, f"http://127.0.0.1:{metrics_port}/metrics", work
+        )
+    finally:
+        procs.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _words(seed: int, n: int) -> str:
+    vocab = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    return " ".join(vocab[(seed * 7 + i * 13 + i * i) % len(vocab)] for i in range(n))
+
+
+async def _served_counts(pods: list[str]) -> dict[str, float]:
+    out = {}
+    async with aiohttp.ClientSession() as s:
+        for pod in pods:
+            async with s.get(f"http://{pod}/metrics") as r:
+                text = await r.text()
+            out[pod] = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:e2e_request_latency_seconds_count")
+            )
+    return out
+
+
+async def _epp_gauge(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+async def _chat(
+    gateway: str, messages: list[dict[str, str]], **extra: object
+) -> tuple[int, dict[str, object]]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{gateway}/v1/chat/completions", json=body) as r,
+    ):
+        return r.status, await r.json(content_type=None)
+
+
+async def _which_pod(stack: Stack, messages: list[dict[str, str]]) -> tuple[str, dict[str, object]]:
+    before = await _served_counts(stack.pods)
+    status, reply = await _chat(stack.gateway, messages)
+    assert status == 200, reply
+    after = await _served_counts(stack.pods)
+    served = [p for p in stack.pods if after[p] > before[p]]
+    assert len(served) == 1, (before, after)
+    return served[0], reply
+
+
+async def _until(predicate: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if await predicate():  # type: ignore[operator]
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Stack) -> None:
+    for conversation in range(4):
+        system = {"role": "system", "content": _words(conversation, 400)}
+        first = [system, {"role": "user", "content": "first question " + _words(99, 10)}]
+        entries_before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+        holder, _ = await _which_pod(stack, first)
+
+        async def indexed(floor: float = entries_before + 20) -> bool:
+            # ~400 words of prompt make more than 20 blocks of 16 tokens.
+            entries = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+            return entries >= floor
+
+        await _until(indexed)
+        follow_up = [
+            *first,
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "second question " + _words(98, 10)},
+        ]
+        served, reply = await _which_pod(stack, follow_up)
+        assert served == holder, (
+            f"conversation {conversation}: prefix on {holder}, routed to {served}"
+        )
+        usage = reply["usage"]
+        assert isinstance(usage, dict)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 400  # the engine saw the hit
+
+
+async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Stack) -> None:
+    system = {"role": "system", "content": _words(1234, 300)}
+    holder, _ = await _which_pod(stack, [system, {"role": "user", "content": "warm up"}])
+    other = next(p for p in stack.pods if p != holder)
+    # Load the holder behind the EPP's back (as another gateway's traffic would): each pod runs
+    # two requests at a time, so the rest wait in its queue, which the EPP scrapes.
+    body = {"model": MODEL, "prompt": _words(7, 200), "max_tokens": 400}
+
+    async def direct() -> None:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://{holder}/v1/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            await r.read()
+
+    load = [asyncio.create_task(direct()) for _ in range(8)]
+    try:
+
+        async def queued() -> bool:
+            async with aiohttp.ClientSession() as s, s.get(stack.epp_metrics) as r:
+                text = await r.text()
+            return any(
+                line.startswith("inference_pool_per_pod_queue_size")
+                and f'model_server_pod="{holder}"' in line
+                and float(line.rsplit(" ", 1)[1]) >= 3
+                for line in text.splitlines()
+            )
+
+        await _until(queued)
+        served, _ = await _which_pod(stack, [system, {"role": "user", "content": "while busy"}])
+        assert served == other, "the prefix holder has a queue of 3+; the idle pod should win"
+    finally:
+        await asyncio.gather(*load)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+    ],
+)
+async def test_bad_requests_get_400_naming_the_problem(
+    stack: Stack, body: bytes, message: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{stack.gateway}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        ) as r,
+    ):
+        assert r.status == 400
+        assert message in await r.text()
+
+
+async def test_streaming_responses_pass_through_intact(stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 25,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "stream please " + _words(5, 50)}],
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{stack.gateway}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = await r.read()
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    content_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    # Tokens produced in the same engine step share a chunk, as in vLLM; all 25 arrive.
+    assert content_chunks
+    text = "".join(c["choices"][0]["delta"]["content"] for c in content_chunks)
+    assert len(text.split()) == 25
+    assert chunks[-1]["usage"]["completion_tokens"] == 25
+    assert chunks[-1]["usage"]["prompt_tokens"] > 50
