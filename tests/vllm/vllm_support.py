@@ -241,6 +241,8 @@ class VLLMServer:
             VLLM_CPU_KVCACHE_SPACE="1",
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
+            # Serves POST /reset_prefix_cache (404 without it), which emits AllBlocksCleared.
+            VLLM_SERVER_DEV_MODE="1",
         )
         if self.spec.hash_seed is not None:
             env["PYTHONHASHSEED"] = self.spec.hash_seed
@@ -339,6 +341,11 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         return metric_values(http_text(f"{self.spec.url}/metrics"))
+
+    def reset_prefix_cache(self) -> bool:
+        """False while blocks are still in use by running requests (vLLM refuses then)."""
+        answer = http_json(f"{self.spec.url}/reset_prefix_cache", {})
+        return bool(answer["success"])
 
     def published(self) -> Published:
         return Published.fetch(self.spec.replay_url)
