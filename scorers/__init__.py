@@ -3,14 +3,28 @@
 
 One module per plugin family; a new plugin is a new module here plus one import below."""
 
-from scorers import affinity, filters, load, pickers, precise_prefix, prefix_approx, profiles
+from scorers import (
+    affinity,
+    dynamo_cost,
+    filters,
+    load,
+    pickers,
+    precise_prefix,
+    prefill_cost,
+    prefix_approx,
+    profiles,
+    sglang_cache_aware,
+)
 
 __all__ = [
     "affinity",
+    "dynamo_cost",
     "filters",
     "load",
     "pickers",
     "precise_prefix",
+    "prefill_cost",
     "prefix_approx",
     "profiles",
+    "sglang_cache_aware",
 ]

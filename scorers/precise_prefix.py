@@ -7,6 +7,15 @@ index; `score` is then the tier-weighted count of consecutive matched blocks ove
 full blocks, in [0, 1].  The matched counts also go to ``request.data`` for other plugins (the
 no-hit LRU scorer, the director's prefill accounting).
 
+Predicted entries (``speculativeIndexing``, llm-d's option of the same name): a pod's KV events
+for a request's blocks arrive only after it has scheduled the prefill, so a burst of requests with
+a new prefix would all look cold and scatter.  With the option on, PreRequest records the routed
+request's blocks as *predicted* on its primary target, and lookups treat a block as held by an
+endpoint when the index says so *or* an unexpired prediction does (the longest run of blocks held
+either way).  A prediction expires ``speculativeTTL`` seconds after the decision, and is dropped
+early when that endpoint's own events say the block was stored (the real entry takes over) or
+removed (the prediction was wrong or is out of date).
+
 Around requests: the plugin subscribes to every endpoint's KV-event publisher as endpoints come
 and go (per-endpoint SUB sockets, or one bound socket the pods connect to), feeds the index, and
 drops an endpoint's entries when it is removed.  The block size is configured, or learned from the
@@ -17,19 +26,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from indexer.errors import IndexerError, TokenizationError
-from indexer.events import BlockStored, KVEventBatch
+from indexer.events import BlockRemoved, BlockStored, KVEventBatch, block_key
 from indexer.hashing import HASH_ALGOS, HashAlgo, HashConfig, PrefixHasher, event_key
 from indexer.index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from indexer.subscriber import CentralSubscriber, SubscriberConfig, SubscriberPool
 from indexer.tokenization import TokenizerRegistry
-from scorers.base import Endpoint, GaugeSample, LLMRequest, Plugin, PluginContext, register
+from scorers.base import (
+    Endpoint,
+    GaugeSample,
+    LLMRequest,
+    Plugin,
+    PluginContext,
+    SchedulingResult,
+    register,
+)
 from scorers.request_data import (
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
@@ -40,6 +59,28 @@ logger = logging.getLogger(__name__)
 
 # request.data key private to this plugin: its weighted match per endpoint, read by `score`.
 _SCORES = "precise-prefix.scores"
+BLOCK_KEYS = "precise-prefix.keys"
+"""request.data key: ``list[int]``, the request's full-block keys as vLLM hashes them (written in
+``prepare``; read by PreRequest for predicted entries and by plugins that track blocks, such as
+``dynamo-cost-scorer``)."""
+_KEYS = BLOCK_KEYS
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a Go-style duration string (``"2s"``, ``"500ms"``, ``"1m"``),
+    as llm-d writes ``speculativeTTL``."""
+    if isinstance(value, bool):
+        raise ValueError("expected seconds or a duration such as '2s' or '500ms'")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    raise ValueError(f"expected seconds or a duration such as '2s' or '500ms', got {value!r}")
 
 
 class KVEventsParameters(BaseModel):
@@ -80,6 +121,18 @@ class PrecisePrefixParameters(BaseModel):
     selfCheck: bool = True
     """Recompute the pods' hashes from their events and re-key pods that disagree."""
     kvEvents: KVEventsParameters = Field(default_factory=KVEventsParameters)
+    speculativeIndexing: bool = False
+    """Record each routed request's blocks as predicted on its endpoint until its events arrive
+    (llm-d's option; off by default there and here, on in the project's default profile)."""
+    speculativeTTL: float = Field(default=2.0, gt=0, le=3600)
+    """How long a prediction lives, in seconds or as a duration (``"2s"``, llm-d's default).
+    Long enough to cover the decision-to-event gap (queueing + the first prefill chunk + event
+    delivery); too long and a prediction outlives a prefill that never happened."""
+
+    @field_validator("speculativeTTL", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        return parse_duration(value)
 
     @field_validator("hashAlgo")
     @classmethod
@@ -87,6 +140,76 @@ class PrecisePrefixParameters(BaseModel):
         if value not in HASH_ALGOS:
             raise ValueError(f"must be one of {', '.join(HASH_ALGOS)}")
         return value
+
+
+class PredictedBlocks:
+    """Predicted (endpoint, block) entries with a common time to live.
+
+    Per endpoint, block key → expiry time; a FIFO of insertions expires them in order (the TTL
+    is fixed, so expiries are in insertion order).  A key predicted again gets the later expiry;
+    the earlier insertion then finds a newer expiry and leaves the entry alone.  Empty (falsy)
+    when nothing is predicted, so callers skip it at no cost."""
+
+    __slots__ = ("_by_endpoint", "_queue", "ttl")
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._by_endpoint: dict[str, dict[int, float]] = {}
+        self._queue: deque[tuple[float, str, list[int]]] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def __len__(self) -> int:
+        """(endpoint, block) entries held (expired ones included until `expire` runs)."""
+        return sum(len(held) for held in self._by_endpoint.values())
+
+    def add(self, endpoint: str, keys: Sequence[int], now: float) -> None:
+        expiry = now + self.ttl
+        held = self._by_endpoint.setdefault(endpoint, {})
+        held.update(dict.fromkeys(keys, expiry))
+        self._queue.append((expiry, endpoint, list(keys)))
+
+    def expire(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            expiry, endpoint, keys = queue.popleft()
+            held = self._by_endpoint.get(endpoint)
+            if held is None:
+                continue
+            for key in keys:
+                if held.get(key, expiry) <= expiry:
+                    held.pop(key, None)
+            if not held:
+                del self._by_endpoint[endpoint]
+
+    def endpoints(self, candidates: Iterable[str]) -> list[str]:
+        """The candidates that hold any prediction."""
+        held = self._by_endpoint
+        return [c for c in candidates if c in held]
+
+    def run(self, endpoint: str, keys: Sequence[int], start: int, now: float) -> int:
+        """How many of ``keys[start:]`` ``endpoint`` holds predictively, consecutively."""
+        held = self._by_endpoint.get(endpoint)
+        if not held:
+            return 0
+        count = 0
+        get = held.get
+        for key in keys[start:]:
+            if get(key, 0.0) <= now:
+                break
+            count += 1
+        return count
+
+    def discard(self, endpoint: str, keys: Iterable[int | bytes]) -> None:
+        """The endpoint's own events speak for these blocks now."""
+        held = self._by_endpoint.get(endpoint)
+        if held:
+            for key in keys:
+                held.pop(key if type(key) is int else block_key(key), None)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        self._by_endpoint.pop(endpoint, None)
 
 
 @register("precise-prefix-cache-scorer")
@@ -110,6 +233,7 @@ class PrecisePrefixCacheScorer(Plugin):
         self._subscriber: SubscriberPool | CentralSubscriber | None = None
         self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
         self._warned: set[str] = set()
+        self.predictions = PredictedBlocks(params.speculativeTTL)
         if self._block_size is not None:
             self._configure(self._block_size)
         # Fail at start-up, not on the first request, when the hash settings are impossible.
@@ -157,8 +281,13 @@ class PrecisePrefixCacheScorer(Plugin):
             self._configure(first.block_size)
         assert self.index is not None
         self.index.apply(endpoint, batch)
+        if self.predictions:
+            for event in batch.events:
+                if type(event) is BlockStored or type(event) is BlockRemoved:
+                    self.predictions.discard(endpoint, event.block_hashes)
 
     def clear_endpoint(self, endpoint: str) -> int:
+        self.predictions.remove_endpoint(endpoint)
         return self.index.clear_endpoint(endpoint) if self.index is not None else 0
 
     # -- lifecycle and endpoints --------------------------------------------------------------
@@ -205,6 +334,7 @@ class PrecisePrefixCacheScorer(Plugin):
             self._subscriber.remove_endpoint(endpoint.address)
         if self.index is not None:
             self.index.remove_endpoint(endpoint.address)
+        self.predictions.remove_endpoint(endpoint.address)
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -235,22 +365,65 @@ class PrecisePrefixCacheScorer(Plugin):
             return
         if digests is None:
             return
-        block_size = self._block_size
+        block_size = self._block_size or 0
         keys = [event_key(d) for d in digests]
         request.data[PREFIX_TOTAL_BLOCKS] = len(keys)
-        request.data["precise-prefix.keys"] = keys
+        request.data[_KEYS] = keys
         index = self.index
         if index is None or not keys:
             request.data[_SCORES] = {}
             return
-        matches = index.prefix_match(keys, [ep.address for ep in endpoints])
+        addresses = [ep.address for ep in endpoints]
+        matches = index.prefix_match(keys, addresses)
+        blocks = {a: m.blocks for a, m in matches.items()}
+        weighted = {a: m.weighted for a, m in matches.items()}
+        predictions = self.predictions
+        if predictions:
+            now = self.context.clock()
+            predictions.expire(now)
+            for address in predictions.endpoints(addresses):
+                extended = self._extend_with_predictions(keys, address, blocks[address], now)
+                if extended > blocks[address]:
+                    # Predicted blocks will be on GPU once the routed prefill runs.
+                    weighted[address] += extended - blocks[address]
+                    blocks[address] = extended
         total = len(keys)
-        request.data[_SCORES] = {a: m.weighted / total for a, m in matches.items() if m.blocks}
-        record_prefix_matches(request, {a: m.blocks for a, m in matches.items()})
+        request.data[_SCORES] = {a: weighted[a] / total for a, n in blocks.items() if n}
+        record_prefix_matches(request, blocks)
         tokens: dict[str, int] = request.data.setdefault(PREFIX_MATCHED_TOKENS, {})
-        for address, match in matches.items():
-            if match.blocks:
-                tokens[address] = max(tokens.get(address, 0), match.blocks * (block_size or 0))
+        for address, count in blocks.items():
+            if count:
+                tokens[address] = max(tokens.get(address, 0), count * block_size)
+
+    def _extend_with_predictions(self, keys: list[int], address: str, real: int, now: float) -> int:
+        """The longest run of leading blocks ``address`` holds really or predictively, given
+        that it really holds the first ``real``: alternate predicted and real runs."""
+        index = self.index
+        assert index is not None
+        position = real
+        while position < len(keys):
+            predicted = self.predictions.run(address, keys, position, now)
+            if not predicted:
+                break
+            position += predicted
+            if position < len(keys):
+                position += index.longest_prefix(keys[position:], (address,))[address]
+        return position
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """With ``speculativeIndexing``: predict the request's blocks on each profile's primary
+        target (the pod will cache them when it runs the prefill)."""
+        if not self.p.speculativeIndexing:
+            return
+        keys: list[int] | None = request.data.get(_KEYS)
+        if not keys:
+            return
+        now = self.context.clock()
+        recorded: set[str] = set()
+        for profile in result.profiles.values():
+            if profile.targets and (address := profile.targets[0].address) not in recorded:
+                recorded.add(address)
+                self.predictions.add(address, keys, now)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         scores: Mapping[str, float] = request.data.get(_SCORES, {})
@@ -320,6 +493,13 @@ class PrecisePrefixCacheScorer(Plugin):
     # -- telemetry -----------------------------------------------------------------------------
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
+        if self.p.speculativeIndexing:
+            yield GaugeSample(
+                "inference_extension_kv_index_predicted_entries",
+                "Predicted (block, endpoint) entries awaiting their KV events (speculative "
+                "indexing).",
+                len(self.predictions),
+            )
         index = self.index
         if index is not None:
             yield GaugeSample(

@@ -1,0 +1,362 @@
+"""Replay a workload against a simulated fleet in virtual time, routed by the product itself.
+
+The fleet is ``pods`` simulated vLLM engines (`simulator.engine`: continuous batching, chunked
+prefill, step timing, a prefix cache with LRU eviction and KV events).  Routing goes through the
+real `epp.director.Director`, `epp.datastore.Datastore` and a `epp.scheduler.Scheduler` built
+from an ``EndpointPickerConfig``, and every plugin sees only what it would see in production:
+
+* scraped metrics: a snapshot of each engine's ``/metrics`` values (waiting, running, KV usage,
+  block size) taken every ``scrape_interval`` seconds; a decision at time t reads the snapshot
+  of the last scrape tick at or before t;
+* KV events: each engine step's `KVEventBatch` is handed to the configuration's event sinks
+  (the precise scorer's index) ``event_lag`` seconds after the step ended, in order per pod;
+* in-flight accounting: the director's own, released at the first token and at the end;
+* the clock: plugins, the datastore and the director read the virtual time.
+
+No plugin reads an engine directly.  Time only moves forward: before each arrival the engines
+run every step that ends by then (first tokens and completions go back through the director at
+their times), scrapes and event deliveries due by then are applied, and the request is routed
+and added to the chosen engine at its arrival time.
+
+What is counted, per request, comes from the engine: ``cached_tokens`` (the prefix-cache hit at
+its first scheduling, vLLM's ``usage.prompt_tokens_details.cached_tokens``), first-token and
+finish times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from benchmarks.workloads import Workload
+from epp.config import build_scheduler, load_config
+from epp.datastore import Datastore, EndpointSpec
+from epp.director import Director, TrackedDecision
+from indexer.events import KVEventBatch
+from scorers.base import EndpointMetrics, LLMRequest, PluginContext, Usage
+from simulator.engine import Engine, EngineConfig, RequestOutput
+from simulator.profiles import LLAMA3_8B_H100, Profile
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@dataclass(slots=True, frozen=True)
+class FleetSpec:
+    """The simulated pods and what the EPP observes of them."""
+
+    pods: int = 8
+    profile: Profile = LLAMA3_8B_H100
+    capacity_tokens: int | None = None
+    """KV-cache tokens per pod; None = the profile's (Llama-3.1-8B bf16 on an H100: ~399k)."""
+    block_size: int = 16
+    """vLLM's default block size; the trace's 512-token blocks are 32 engine blocks each."""
+    max_model_len: int = 262_144
+    """Above Llama-3.1's 131,072 so that the Mooncake trace's longest prompts (up to 191k
+    tokens, ten of them over 131k) are served rather than rejected."""
+    scrape_interval: float = 0.05
+    """The Inference Extension's metrics refresh interval (50 ms)."""
+    event_lag: float = 0.02
+    """From the end of an engine step to its KV events reaching the index."""
+
+    @property
+    def capacity(self) -> int:
+        return (
+            self.capacity_tokens
+            if self.capacity_tokens is not None
+            else self.profile.kv_capacity_tokens
+        )
+
+    @property
+    def usable_blocks(self) -> int:
+        """Cacheable blocks per pod (vLLM's ``num_gpu_blocks`` minus the null block)."""
+        return self.capacity // self.block_size
+
+    def engine_config(self, *, emit_events: bool) -> EngineConfig:
+        return EngineConfig.from_profile(
+            self.profile,
+            block_size=self.block_size,
+            num_gpu_blocks=self.usable_blocks + 1,
+            max_model_len=self.max_model_len,
+            emit_events=emit_events,
+        )
+
+    def addresses(self) -> list[str]:
+        return [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(self.pods)]
+
+
+@dataclass(slots=True, frozen=True)
+class RequestRecord:
+    """One finished request, as the engine and the router saw it."""
+
+    request_id: str
+    pod: int
+    arrival: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft: float
+    finish: float
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    records: list[RequestRecord]
+    busy_time: list[float]
+    """Seconds each pod spent running steps."""
+    preemptions: int
+    wall_seconds: float
+    decisions_per_pod: list[int] = field(default_factory=list)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); ``q`` in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(slots=True, frozen=True)
+class PolicySummary:
+    """The per-policy numbers the benchmark reports (`--json`)."""
+
+    policy: str
+    requests: int
+    hit_rate: float
+    """Engine-counted cached prompt tokens / prompt tokens."""
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    ttft_mean: float
+    throughput: float
+    """Output tokens per second, first arrival to last finish."""
+    max_over_mean_load: float
+    """Busiest pod's busy time over the mean pod's."""
+    preemptions: int
+    wall_seconds: float
+
+    @classmethod
+    def of(cls, result: ReplayResult, warmup: float = 0.0) -> PolicySummary:
+        """Numbers over the requests that arrived at or after ``warmup`` seconds."""
+        records = [r for r in result.records if r.arrival >= warmup] if warmup else result.records
+        ttfts = [r.ttft for r in records]
+        prompt = sum(r.prompt_tokens for r in records)
+        cached = sum(r.cached_tokens for r in records)
+        output = sum(r.output_tokens for r in records)
+        start = min((r.arrival for r in records), default=0.0)
+        end = max((r.finish for r in records), default=0.0)
+        mean_busy = sum(result.busy_time) / len(result.busy_time) if result.busy_time else 0.0
+        return cls(
+            policy=result.policy,
+            requests=len(records),
+            hit_rate=cached / prompt if prompt else 0.0,
+            ttft_p50=percentile(ttfts, 50),
+            ttft_p90=percentile(ttfts, 90),
+            ttft_p99=percentile(ttfts, 99),
+            ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+            throughput=output / (end - start) if end > start else 0.0,
+            max_over_mean_load=max(result.busy_time) / mean_busy if mean_busy else 1.0,
+            preemptions=result.preemptions,
+            wall_seconds=result.wall_seconds,
+        )
+
+
+class Replay:
+    """One policy over one workload; `run` returns the engine-side record of every request."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        keys: Sequence[array[int]],
+        fleet: FleetSpec,
+        config_yaml: str,
+        *,
+        policy: str = "policy",
+        seed: int = 0,
+    ) -> None:
+        if len(keys) != len(workload.requests):
+            raise ValueError("one block-key array per request is needed")
+        self.workload = workload
+        self.keys = keys
+        self.fleet = fleet
+        self.policy = policy
+        self.now = 0.0
+        clock = self._clock
+        self.datastore = Datastore(clock=clock)
+        self.context = PluginContext(endpoints=self.datastore, clock=clock, rng=random.Random(seed))
+        self.scheduler = build_scheduler(load_config(text=config_yaml), self.context)
+        self.datastore.add_listener(self.scheduler)
+        self.director = Director(self.datastore, self.scheduler)
+        # Plugins that consume KV events (`indexer.subscriber.KVEventSink`).
+        self.sinks = [p for p in self.scheduler.plugins if callable(getattr(p, "apply", None))]
+        self.addresses = fleet.addresses()
+        config = fleet.engine_config(emit_events=bool(self.sinks))
+        self.engines = [Engine(config, fleet.profile) for _ in self.addresses]
+        for address in self.addresses:
+            self.datastore.upsert(EndpointSpec(address=address))
+        self._events: list[deque[tuple[float, KVEventBatch]]] = [deque() for _ in self.addresses]
+        self._decisions: dict[str, TrackedDecision] = {}
+        self._records: list[RequestRecord] = []
+        self._last_scrape = -math.inf
+        self._per_pod = [0] * len(self.addresses)
+
+    def _clock(self) -> float:
+        return self.now
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def _advance(self, t: float) -> None:
+        """Bring the fleet and the EPP's inputs to time ``t``."""
+        interval = self.fleet.scrape_interval
+        tick = min(t, math.floor(t / interval) * interval)  # never past t (float rounding)
+        if tick > self._last_scrape:
+            self._run_engines(tick)
+            self._scrape(tick)
+        self._run_engines(t)
+        self.now = t
+        if self.sinks:
+            self._deliver_events(t)
+
+    def _run_engines(self, t: float) -> None:
+        """Run every engine step that ends by ``t``; hand first tokens and completions to the
+        director in time order (the clock reads each one's own time)."""
+        happened: list[tuple[float, int, int, RequestOutput]] = []
+        for pod, engine in enumerate(self.engines):
+            next_time = engine.next_event_time()
+            if next_time is not None and next_time <= t:
+                result = engine.advance(t)
+                if result.kv_batches:
+                    lag = self.fleet.event_lag
+                    self._events[pod].extend((b.ts + lag, b) for b in result.kv_batches)
+                for out in result.outputs.values():
+                    if out.first_token_time is not None:
+                        happened.append((out.first_token_time, 0, pod, out))
+                    if out.finished:
+                        happened.append((out.last_token_time, 1, pod, out))
+        if len(happened) > 1:
+            happened.sort(key=lambda item: (item[0], item[1]))
+        director = self.director
+        for when, finished, pod, out in happened:
+            entry = self._decisions.get(out.req_id)
+            if entry is None:
+                continue
+            self.now = when
+            if not finished:
+                director.response_chunk(entry)
+                continue
+            stats = out.stats
+            assert stats is not None and stats.first_token_time is not None
+            del self._decisions[out.req_id]
+            director.response_complete(
+                entry, Usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens), 200
+            )
+            self._records.append(
+                RequestRecord(
+                    out.req_id,
+                    pod,
+                    stats.arrival_time,
+                    stats.prompt_tokens,
+                    stats.cached_tokens,
+                    stats.completion_tokens,
+                    stats.first_token_time - stats.arrival_time,
+                    stats.finish_time,
+                )
+            )
+
+    def _scrape(self, tick: float) -> None:
+        """What the scraper would have read at ``tick`` (vLLM's gauges and cache config)."""
+        self._last_scrape = tick
+        self.now = tick
+        size = self.fleet.block_size
+        blocks = self.fleet.usable_blocks + 1
+        for address, engine in zip(self.addresses, self.engines, strict=True):
+            m = engine.metrics()
+            self.datastore.update_metrics(
+                address,
+                EndpointMetrics(
+                    waiting_requests=m.num_requests_waiting,
+                    running_requests=m.num_requests_running,
+                    kv_cache_usage=m.kv_cache_usage,
+                    block_size=size,
+                    num_gpu_blocks=blocks,
+                    updated_at=tick,
+                ),
+            )
+
+    def _deliver_events(self, t: float) -> None:
+        sinks = self.sinks
+        for address, queue in zip(self.addresses, self._events, strict=True):
+            while queue and queue[0][0] <= t:
+                _, batch = queue.popleft()
+                for sink in sinks:
+                    sink.apply(address, batch)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    async def run(self) -> ReplayResult:
+        started = time.perf_counter()
+        index_of = {address: i for i, address in enumerate(self.addresses)}
+        director = self.director
+        engines = self.engines
+        self._scrape(0.0)
+        for request, keys in zip(self.workload.requests, self.keys, strict=True):
+            t = request.arrival
+            self._advance(t)
+            self.now = t
+            llm = LLMRequest(
+                request_id=request.request_id,
+                model=MODEL,
+                kind="completions",
+                prompt=request.token_ids(),
+            )
+            decision = await director.route(llm, None)
+            assert isinstance(decision, TrackedDecision)
+            pod = index_of[decision.targets[0]]
+            self._per_pod[pod] += 1
+            self._decisions[request.request_id] = decision
+            engines[pod].add_request(
+                request.request_id,
+                None,
+                request.output_length,
+                t,
+                block_keys=keys.tolist(),
+                num_prompt_tokens=request.input_length,
+            )
+        # Drain: run to the end, tick by tick only as far as outputs need ordering.
+        while True:
+            pending = [t for e in engines if (t := e.next_event_time()) is not None]
+            if not pending:
+                break
+            self._run_engines(max(pending))
+        metrics = [engine.metrics() for engine in engines]
+        return ReplayResult(
+            policy=self.policy,
+            records=self._records,
+            busy_time=[m.busy_time for m in metrics],
+            preemptions=sum(m.num_preemptions for m in metrics),
+            wall_seconds=time.perf_counter() - started,
+            decisions_per_pod=list(self._per_pod),
+        )
+
+
+def replay(
+    workload: Workload,
+    keys: Sequence[array[int]],
+    fleet: FleetSpec,
+    config_yaml: str,
+    *,
+    policy: str = "policy",
+    seed: int = 0,
+) -> ReplayResult:
+    """Run one policy to completion (its own event loop)."""
+    return asyncio.run(Replay(workload, keys, fleet, config_yaml, policy=policy, seed=seed).run())

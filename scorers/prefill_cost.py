@@ -1,0 +1,118 @@
+"""``prefill-cost-scorer``: prefer the endpoint where this request's prefill finishes first.
+
+Time to first token on a pod is, to first order, the prefill work queued ahead of the request
+plus the request's own uncached prefill, both in tokens of prefill work (DESIGN.md: "decisions
+weigh work, not just ratios").  So the scorer estimates, per candidate ``e``, a cost in tokens:
+
+    cost_e = uncachedTokenWeight · (prompt_tokens − cached_tokens_e)
+           + queued_prefill_tokens_e
+           + inFlightRequestTokens · in_flight_requests_e
+           + kv_pressure_e
+
+* ``cached_tokens_e``: prompt tokens the endpoint holds in its prefix cache, exactly, from
+  ``request.data[PREFIX_MATCHED_TOKENS]`` (the precise scorer writes it, predicted entries
+  included).  With no prefix information (no events, no tokenizer) it is 0 everywhere and the
+  scorer is plain least-work routing.
+* ``queued_prefill_tokens_e``: uncached prompt tokens of requests this EPP routed there that
+  have not produced their first token (``Endpoint.load.in_flight_prefill_tokens``): never stale.
+* ``uncachedTokenWeight`` > 1 charges a miss for more than the time it costs this request: an
+  uncached prefill delays every request queued behind it, and a prefix copied to a second pod
+  evicts something else there.  It is the lever between cache affinity and spreading.
+* ``in_flight_requests_e`` (decoding requests slow every step and hold KV blocks) and the KV
+  pressure term (``kv_cache_usage`` above ``kvPressureThreshold`` costs up to
+  ``kvPressureTokens`` at a full cache, where vLLM stops admitting and starts preempting) make
+  ties between idle prefills break towards the emptier pod.
+
+Scores are ``(min_cost + smoothingTokens) / (cost_e + smoothingTokens)``: 1.0 for the cheapest,
+0.5 for twice its cost, so the scorer composes with others by weight, and alone with
+``max-score-picker`` it is argmin cost.  A hot prefix spills by itself: once the holder's queue
+is longer than the full prefill elsewhere, another pod wins; with speculative indexing that pod
+becomes a holder too.  Endpoints with stale scraped metrics get the KV term at its maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
+from scorers.request_data import PREFIX_MATCHED_TOKENS
+
+CHARS_PER_TOKEN_ESTIMATE = 4
+"""Prompt length estimate without tokens (the Inference Extension's "estimate" backend)."""
+
+
+def prompt_tokens(request: LLMRequest) -> int:
+    """The prompt's length in tokens: exact when a producer tokenized it or it is token ids,
+    else estimated from characters."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    if isinstance(request.prompt, list):
+        return len(request.prompt)
+    return request.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
+
+
+class PrefillCostParameters(BaseModel):
+    """Weights of ``prefill-cost-scorer`` (module docstring); every term is in prompt tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uncachedTokenWeight: float = Field(default=2.0, ge=0.0, le=100.0)
+    """Cost of one uncached prompt token on a candidate, relative to one token of prefill
+    already queued there.  1 = this request's TTFT alone; larger = stickier to the cache."""
+    inFlightRequestTokens: float = Field(default=0.0, ge=0.0, le=1_000_000.0)
+    """Token-equivalent cost of each request in flight on the candidate (decode load)."""
+    kvPressureThreshold: float = Field(default=0.9, ge=0.0, le=1.0)
+    """KV-cache usage (blocks held by running requests) above which the pressure term grows."""
+    kvPressureTokens: float = Field(default=0.0, ge=0.0, le=10_000_000.0)
+    """Pressure term at a full cache, growing linearly from the threshold."""
+    smoothingTokens: float = Field(default=16.0, gt=0.0, le=1_000_000.0)
+    """Added to every cost before the ratio, so near-zero costs do not make huge differences."""
+
+
+@register("prefill-cost-scorer")
+class PrefillCostScorer(Plugin):
+    """Least prefill work to the first token; see the module docstring."""
+
+    Parameters = PrefillCostParameters
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        assert isinstance(params, PrefillCostParameters)
+        self.p = params
+
+    def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
+        and tests)."""
+        p = self.p
+        total = prompt_tokens(request)
+        cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
+        threshold = p.kvPressureThreshold
+        span = 1.0 - threshold
+        costs: dict[str, float] = {}
+        for endpoint in endpoints:
+            uncached = max(0, total - cached.get(endpoint.address, 0))
+            cost = (
+                p.uncachedTokenWeight * uncached
+                + endpoint.load.in_flight_prefill_tokens
+                + p.inFlightRequestTokens * endpoint.load.in_flight_requests
+            )
+            if p.kvPressureTokens:
+                usage = 1.0 if endpoint.metrics_stale else endpoint.metrics.kv_cache_usage
+                if usage > threshold:
+                    cost += (
+                        p.kvPressureTokens * (min(usage, 1.0) - threshold) / span
+                        if span
+                        else p.kvPressureTokens
+                    )
+            costs[endpoint.address] = cost
+        return costs
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        costs = self.costs(request, endpoints)
+        if not costs:
+            return {}
+        smoothing = self.p.smoothingTokens
+        best = min(costs.values()) + smoothing
+        return {address: best / (cost + smoothing) for address, cost in costs.items()}
