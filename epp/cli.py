@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from epp.config import ConfigError, build_scheduler, load_config
 from epp.requests import DEFAULT_MAX_BODY_BYTES
+from epp.scraping import DEFAULT_FAILURE_THRESHOLD, DEFAULT_UNREACHABLE_AFTER
 from epp.server import ServerOptions, serve
 from scorers.base import Endpoint, PluginContext
 
@@ -46,6 +47,24 @@ def port(text: str) -> int:
 
 def optional_port(text: str) -> int | None:
     return None if text.lower() in ("", "none", "off", "0") else port(text)
+
+
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off), as Go flags accept ``--flag=false``."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
+
+
+def optional_positive_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none", "off", "0") else positive_int(text)
+
+
+def optional_duration(text: str) -> float | None:
+    return None if text.lower() in ("", "none", "off", "0") else duration(text)
 
 
 def positive_int(text: str) -> int:
@@ -131,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.2,
         help="metrics older than this count as saturated (scorers see the endpoint as full)",
     )
+    m.add_argument(
+        "--endpoint-failure-threshold",
+        type=optional_positive_int,
+        default=DEFAULT_FAILURE_THRESHOLD,
+        help="scrapes in a row without an HTTP answer (refused, reset, timed out) after which "
+        "an endpoint is unreachable and gets no requests until it answers again; 'off' to disable",
+    )
+    m.add_argument(
+        "--endpoint-unreachable-after",
+        type=optional_duration,
+        default=DEFAULT_UNREACHABLE_AFTER,
+        help="an endpoint whose scrape has waited this long for an answer is unreachable (a hung "
+        "pod); 'off' to disable.  When every candidate is unreachable, requests are routed "
+        "among them anyway (fail-open)",
+    )
     r = s.add_argument_group("request handling")
     r.add_argument(
         "--max-body-bytes",
@@ -143,6 +177,62 @@ def build_parser() -> argparse.ArgumentParser:
         type=duration,
         default=30.0,
         help="on SIGTERM, how long in-flight requests may finish after readiness turns off",
+    )
+    r.add_argument(
+        "--drain-quiet-period",
+        type=duration,
+        default=2.0,
+        help="on SIGTERM, keep serving until no request arrived for this long (so proxies' "
+        "health checks see readiness turn off first), within --drain-timeout",
+    )
+    a = s.add_argument_group("admission control (overload)")
+    a.add_argument(
+        "--max-in-flight-per-endpoint",
+        type=optional_positive_int,
+        default=None,
+        help="requests an endpoint may hold (the larger of those this EPP routed there and the "
+        "running+waiting it reports); when every endpoint is full, requests are rejected (429) "
+        "or queued; unset: no limit",
+    )
+    a.add_argument(
+        "--admission-mode",
+        choices=["reject", "queue"],
+        default="reject",
+        help="when every endpoint is full: answer 429 at once, or wait for room",
+    )
+    a.add_argument(
+        "--max-queued-requests",
+        type=positive_int,
+        default=1000,
+        help="queue mode: requests that may wait at once; more get 429 rejected-queue-full",
+    )
+    a.add_argument(
+        "--max-queue-wait",
+        type=duration,
+        default=5.0,
+        help="queue mode: longest wait for room; then 429 rejected-ttl-expired",
+    )
+    t = s.add_argument_group("TLS of the ext_proc port")
+    t.add_argument(
+        "--secure-serving",
+        type=boolean,
+        nargs="?",
+        const=True,
+        default=False,
+        help="serve ext_proc over TLS (the Inference Extension's default); with no --cert-path "
+        "a self-signed certificate is made at start-up.  The health port stays plaintext",
+    )
+    t.add_argument(
+        "--cert-path",
+        help="directory with tls.crt and tls.key (a kubernetes.io/tls Secret volume)",
+    )
+    t.add_argument(
+        "--enable-cert-reload",
+        type=boolean,
+        nargs="?",
+        const=True,
+        default=False,
+        help="serve a changed tls.crt/tls.key from the next connection on",
     )
     r.add_argument(
         "--tokenizer-workers",
@@ -176,7 +266,17 @@ def _options(args: argparse.Namespace) -> ServerOptions:
         saturation_staleness=args.saturation_staleness,
         max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout,
+        drain_quiet_period=args.drain_quiet_period,
         tokenizer_workers=args.tokenizer_workers,
+        endpoint_failure_threshold=args.endpoint_failure_threshold,
+        endpoint_unreachable_after=args.endpoint_unreachable_after,
+        max_in_flight_per_endpoint=args.max_in_flight_per_endpoint,
+        admission_mode=args.admission_mode,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_wait=args.max_queue_wait,
+        secure_serving=args.secure_serving,
+        cert_path=args.cert_path,
+        enable_cert_reload=args.enable_cert_reload,
     )
 
 

@@ -12,6 +12,16 @@ never scraped) has ``metrics_stale = True``.  The Inference Extension's utilizat
 treats metrics older than 200 ms as 100 % saturated (anchors §4.3); with the 50 ms scrape
 interval that is four missed scrapes in a row.  The flag is recomputed by `endpoints()` and
 `get()` with one clock read per call, so readers never see a flag older than their read.
+
+Reachability: stale metrics make an endpoint look saturated, they do not remove it.  An endpoint
+that stops *answering* is another matter: the scraper (`epp.scraping`) marks it unreachable
+(`mark_unreachable`) when its ``/metrics`` gets no HTTP answer (refused, reset, timed out) several
+times in a row or for too long, and reachable again at the first answer.  `routable` drops
+unreachable endpoints from a candidate list, except when that would leave none: then every
+candidate is returned (fail-open), because the EPP's view may be the wrong one (the EPP cut off
+from the pods, its loop stalled) and a request sent to a pod that really is down fails in Envoy
+just as a 503 from the EPP would.  Readiness from discovery is untouched: an unreachable endpoint
+stays in the pool, keeps being scraped and comes back by itself.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scorers.base import Endpoint, EndpointListener, EndpointLoad, EndpointMetrics
@@ -69,6 +79,7 @@ class PoolStats:
     average_kv_cache_usage: float | None
     average_waiting_requests: float | None
     in_flight_requests: int
+    unreachable_endpoints: int = 0
 
 
 class InFlightRequest:
@@ -144,6 +155,12 @@ class Datastore:
         self._listeners: list[EndpointListener] = []
         self._synced = False
         self._synced_event = asyncio.Event()
+        self._unreachable: dict[str, str] = {}  # address → why (for logs and debugging)
+        # Counters for telemetry (read them, do not write them).
+        self.unreachable_marks_total = 0
+        """Times an endpoint went from reachable to unreachable."""
+        self.fail_open_total = 0
+        """Candidate lists in which every endpoint was unreachable and all were kept."""
 
     # -- EndpointSource -------------------------------------------------------------------------
 
@@ -247,6 +264,7 @@ class Datastore:
             return
         urls_changed = not old_spec.same_urls(spec)
         if urls_changed:
+            self._unreachable.pop(spec.address, None)  # judged afresh at the new URL
             self._notify("endpoint_removed", ep)
         self._specs[spec.address] = spec
         ep.name = spec.name
@@ -259,6 +277,7 @@ class Datastore:
     def remove(self, address: str) -> Endpoint | None:
         """Forget an endpoint; requests still in flight to it finish against its old load."""
         self._specs.pop(address, None)
+        self._unreachable.pop(address, None)
         ep = self._endpoints.pop(address, None)
         if ep is not None:
             self._notify("endpoint_removed", ep)
@@ -316,6 +335,40 @@ class Datastore:
             updated = ep.metrics.updated_at
             ep.metrics_stale = updated is None or now - updated > threshold
 
+    # -- reachability (fed by the scraper) ------------------------------------------------------
+
+    def mark_unreachable(self, address: str, reason: str) -> bool:
+        """The endpoint stopped answering; `routable` leaves it out until `mark_reachable`.
+        Returns True when this changed its state (unknown addresses are ignored)."""
+        if address not in self._endpoints or address in self._unreachable:
+            return False
+        self._unreachable[address] = reason
+        self.unreachable_marks_total += 1
+        return True
+
+    def mark_reachable(self, address: str) -> bool:
+        """The endpoint answered again.  Returns True when it was unreachable."""
+        return self._unreachable.pop(address, None) is not None
+
+    def is_reachable(self, address: str) -> bool:
+        return address not in self._unreachable
+
+    def unreachable(self) -> dict[str, str]:
+        """Unreachable endpoints and why, as a snapshot."""
+        return dict(self._unreachable)
+
+    def routable(self, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        """``candidates`` without the unreachable ones; all of them when none is reachable
+        (fail-open, counted in ``fail_open_total``; see the module docstring)."""
+        down = self._unreachable
+        if not down:
+            return list(candidates)
+        up = [ep for ep in candidates if ep.address not in down]
+        if up or not candidates:
+            return up
+        self.fail_open_total += 1
+        return list(candidates)
+
     # -- in-flight accounting (fed by the request path) -----------------------------------------
 
     def request_started(self, address: str, prefill_tokens: int = 0) -> InFlightRequest:
@@ -364,6 +417,7 @@ class Datastore:
             average_kv_cache_usage=sum(m.kv_cache_usage for m in fresh) / n if n else None,
             average_waiting_requests=sum(m.waiting_requests for m in fresh) / n if n else None,
             in_flight_requests=sum(ep.load.in_flight_requests for ep in self._endpoints.values()),
+            unreachable_endpoints=len(self._unreachable),
         )
 
     def average_kv_cache_usage(self, max_age: float = DEFAULT_POOL_GAUGE_MAX_AGE) -> float | None:

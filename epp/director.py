@@ -1,9 +1,11 @@
 """The director: what happens to one request between the ext_proc stream and the scheduler.
 
 It implements `epp.extproc.Router`: pick the candidates (ready endpoints, narrowed by the proxy's
-subset hint), run the scheduler, start the in-flight accounting the load-aware plugins read, and
-record the request's metrics; on the response side, release the accounting exactly once and hand
-the usage to the plugins that learn from it.
+subset hint, without those the scraper found unreachable unless that leaves none: see
+`epp.datastore`), pass them through admission control (`epp.admission`: off by default), run the
+scheduler, start the in-flight accounting the load-aware plugins read, and record the request's
+metrics; on the response side, release the accounting exactly once and hand the usage to the
+plugins that learn from it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from epp.admission import AdmissionController
 from epp.datastore import Datastore, InFlightRequest
 from epp.extproc import RoutingDecision
 from epp.scheduler import Scheduler
@@ -78,15 +81,29 @@ class Director:
         datastore: Datastore,
         scheduler: Scheduler,
         telemetry: Telemetry | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.telemetry = telemetry
+        self.admission = admission or AdmissionController()
+        # time.monotonic() of the last request routed or refused; the server's drain reads it.
+        self.last_request_at: float | None = None
 
     # -- request path -------------------------------------------------------------------------
 
+    def candidates(self, subset: frozenset[str] | None) -> list[Endpoint]:
+        """Ready endpoints allowed by the subset hint, without unreachable ones (fail-open)."""
+        return self.datastore.routable(filter_by_subset(self.datastore.endpoints(), subset))
+
     async def route(self, request: LLMRequest, subset: frozenset[str] | None) -> RoutingDecision:
-        candidates = filter_by_subset(self.datastore.endpoints(), subset)
+        self.last_request_at = time.monotonic()
+        admission = self.admission
+        try:
+            candidates = await admission.admit(lambda: self.candidates(subset))
+        except SchedulingError:
+            self._count_attempt("failure")
+            raise
         started = time.perf_counter()
         try:
             result = await self.scheduler.schedule(request, candidates)
@@ -94,6 +111,7 @@ class Director:
             self._count_attempt("failure")
             raise
         finally:
+            admission.scheduled()
             if self.telemetry is not None:
                 self.telemetry.scheduler_e2e.observe(time.perf_counter() - started)
         self._count_attempt("success")
@@ -107,7 +125,8 @@ class Director:
     def route_without_body(
         self, request: LLMRequest, subset: frozenset[str] | None
     ) -> RoutingDecision:
-        candidates = filter_by_subset(self.datastore.endpoints(), subset)
+        self.last_request_at = time.monotonic()
+        candidates = self.candidates(subset)
         if not candidates:
             raise NoReadyEndpointsError(
                 "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
@@ -160,6 +179,7 @@ class Director:
     ) -> None:
         if isinstance(decision, TrackedDecision) and decision.in_flight is not None:
             decision.in_flight.finish()
+            self.admission.release()
         request = decision.request
         telemetry = self.telemetry
         if telemetry is not None:

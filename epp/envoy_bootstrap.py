@@ -12,6 +12,13 @@ connects to the primary only: Envoy does not walk the fallbacks (a gateway using
 
 It is used by the end-to-end tests and the demo; a Kubernetes gateway (Istio, kgateway, Envoy
 Gateway, ...) generates its own equivalent from the InferencePool instead.
+
+Talking to the EPP: plaintext HTTP/2 by default; ``extproc_tls=True`` for an EPP started with
+``--secure-serving`` (like the Inference Extension's config, any certificate is accepted unless
+``extproc_ca_file`` names the CA to verify against).  Several EPP replicas
+(``extproc_endpoints``) are balanced round-robin; with ``extproc_health_check_interval_s`` Envoy
+asks each replica's gRPC health service for the ext_proc service name and stops opening streams
+to a replica that says NOT_SERVING (draining) or does not answer.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +59,7 @@ function envoy_on_request(handle)
 end
 """
 EXTPROC_CLUSTER = "ext_proc"
+EXTPROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # see epp.health
 ORIGINAL_DST_CLUSTER = "original_destination_cluster"
 
 RequestBodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
@@ -111,6 +120,11 @@ def render_envoy_config(
     route_timeout_s: float = 3600.0,
     connect_timeout_s: float = 5.0,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    extproc_tls: bool = False,
+    extproc_ca_file: str | None = None,
+    extproc_sni: str | None = None,
+    extproc_endpoints: Sequence[tuple[str, int]] = (),
+    extproc_health_check_interval_s: float | None = None,
 ) -> str:
     """Render an Envoy bootstrap (YAML) that routes every request through the EPP.
 
@@ -127,6 +141,12 @@ def render_envoy_config(
 
     ``message_timeout_s``: how long Envoy waits for each EPP reply.  Scheduling can include
     tokenizing a long prompt and queueing in flow control, so it is generous.
+
+    ``extproc_tls`` / ``extproc_ca_file`` / ``extproc_sni``: TLS to the EPP (module docstring).
+    ``extproc_endpoints``: the EPP replicas as (host, port), instead of ``extproc_host`` /
+    ``extproc_port`` alone (IP addresses; a DNS name goes through ``extproc_host``).
+    ``extproc_health_check_interval_s``: gRPC health checks of the replicas (one failure marks
+    a replica unhealthy, one success healthy again).
     """
     if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(
@@ -236,39 +256,64 @@ def render_envoy_config(
     if request_body_mode == "BUFFERED":
         # In BUFFERED mode Envoy holds the whole body; past this limit it answers 413 itself.
         listener["per_connection_buffer_limit_bytes"] = max_request_body_bytes
+    replicas = list(extproc_endpoints) or [(extproc_host, extproc_port)]
+    extproc_cluster: dict[str, Any] = {
+        "name": EXTPROC_CLUSTER,
+        # A Service name in Kubernetes, a literal IP in tests.
+        "type": "STATIC" if all(_is_ip(host) for host, _ in replicas) else "STRICT_DNS",
+        "connect_timeout": _seconds(connect_timeout_s),
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                "HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": EXTPROC_CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket_address(host, port)}}
+                        for host, port in replicas
+                    ]
+                }
+            ],
+        },
+    }
+    if extproc_tls:
+        tls_context: dict[str, Any] = {"alpn_protocols": ["h2"]}
+        if extproc_ca_file is not None:
+            tls_context["validation_context"] = {"trusted_ca": {"filename": extproc_ca_file}}
+        upstream_tls: dict[str, Any] = {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+            "UpstreamTlsContext",
+            "common_tls_context": tls_context,
+        }
+        if extproc_sni is not None:
+            upstream_tls["sni"] = extproc_sni
+        extproc_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": upstream_tls,
+        }
+    if extproc_health_check_interval_s is not None:
+        extproc_cluster["health_checks"] = [
+            {
+                "timeout": _seconds(max(0.1, min(2.0, extproc_health_check_interval_s))),
+                "interval": _seconds(extproc_health_check_interval_s),
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "reuse_connection": True,
+                "grpc_health_check": {"service_name": EXTPROC_HEALTH_SERVICE},
+            }
+        ]
     config: dict[str, Any] = {
         "admin": {"address": _socket_address(admin_host, admin_port)},
         "static_resources": {
             "listeners": [listener],
             "clusters": [
-                {
-                    "name": EXTPROC_CLUSTER,
-                    # A Service name in Kubernetes, a literal IP in tests.
-                    "type": "STATIC" if _is_ip(extproc_host) else "STRICT_DNS",
-                    "connect_timeout": _seconds(connect_timeout_s),
-                    "lb_policy": "ROUND_ROBIN",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
-                            "HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": EXTPROC_CLUSTER,
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": _socket_address(extproc_host, extproc_port)
-                                        }
-                                    }
-                                ]
-                            }
-                        ],
-                    },
-                },
+                extproc_cluster,
                 {
                     "name": ORIGINAL_DST_CLUSTER,
                     "type": "ORIGINAL_DST",

@@ -334,9 +334,16 @@ def streamed_body_responses(body: bytes, *, end_of_stream: bool, request: bool) 
     return responses
 
 
-def immediate_response(status: int, message: str, request_id: str | None, details: str) -> Any:
+def immediate_response(
+    status: int,
+    message: str,
+    request_id: str | None,
+    details: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+) -> Any:
     """An ``ImmediateResponse`` (Envoy answers the client itself) with a plain-text body."""
     set_headers = [_set_header("content-type", "text/plain; charset=utf-8")]
+    set_headers.extend(_set_header(key, value) for key, value in extra_headers)
     if request_id:
         set_headers.append(_set_header(REQUEST_ID_HEADER, request_id))
     return ext_proc_pb2.ProcessingResponse(
@@ -431,7 +438,11 @@ class ExtProcStream:
         except BadRequestError as exc:
             return self._fail(exc.http_status, exc.message, "epp_bad_request")
         except SchedulingError as exc:
-            return self._fail(exc.http_status, str(exc) or type(exc).__name__, _details(exc))
+            # A SchedulingError may name extra reply headers (admission's dropped reason).
+            headers: Sequence[tuple[str, str]] = getattr(exc, "response_headers", ())
+            return self._fail(
+                exc.http_status, str(exc) or type(exc).__name__, _details(exc), headers
+            )
         except Exception:
             logger.exception(
                 "ext_proc: internal error while routing request %s (path %s)",
@@ -582,7 +593,13 @@ class ExtProcStream:
             raise RuntimeError("request id is not known before the request headers")
         return self.request_id
 
-    def _fail(self, status: int, message: str, details: str) -> list[ProcessingResponse]:
+    def _fail(
+        self,
+        status: int,
+        message: str,
+        details: str,
+        extra_headers: Sequence[tuple[str, str]] = (),
+    ) -> list[ProcessingResponse]:
         if self.decision is not None:
             # Routing succeeded but building the reply failed: release the decision.
             self._complete(status=status)
@@ -592,7 +609,7 @@ class ExtProcStream:
             self._router.request_failed(self._request, status, message)
         except Exception:
             logger.exception("ext_proc: router.request_failed raised for %s", self.request_id)
-        return [immediate_response(status, message, self.request_id, details)]
+        return [immediate_response(status, message, self.request_id, details, extra_headers)]
 
     # -- response phases ---------------------------------------------------------------------
 

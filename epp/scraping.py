@@ -18,6 +18,15 @@ family and sample: about 9 ms per page here, far beyond budget.  Finding the six
 page, whose missing new gauge name costs a full scan), less than the aiohttp request itself
 (~120 µs client and server together on loopback).  ``python -m tests.epp.test_scraping``
 reprints the comparison.
+
+Reachability (dead and hung pods): vLLM serves ``/metrics`` from the same API server as
+inference, so a scrape that gets no HTTP answer says the pod cannot take requests either.  An
+endpoint is marked unreachable in the datastore, and dropped from candidates, when
+``failure_threshold`` scrapes in a row got no answer (connection refused or reset, timeout: a
+killed pod, about 3 × 50 ms with the defaults) or one scrape has waited ``unreachable_after``
+seconds for its answer (a hung pod whose kernel still accepts connections: 1 s by default).  Any
+HTTP answer, even an error status or a page that does not parse, marks it reachable again: a
+server that answers garbage is alive, its metrics merely go stale (and it looks saturated).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SCRAPE_INTERVAL = 0.05  # --refresh-metrics-interval in the Inference Extension
 DEFAULT_SCRAPE_TIMEOUT = 1.0
+DEFAULT_FAILURE_THRESHOLD = 3  # unanswered scrapes in a row before an endpoint is unreachable
+DEFAULT_UNREACHABLE_AFTER = 1.0  # seconds one scrape may wait for an answer
 
 WAITING: Final = "vllm:num_requests_waiting"
 RUNNING: Final = "vllm:num_requests_running"
@@ -251,6 +262,7 @@ class ScrapeStatus:
     successes: int = 0
     errors: int = 0
     consecutive_errors: int = 0
+    consecutive_unanswered: int = 0  # attempts in a row that got no HTTP answer at all
     last_error: str | None = None
     last_duration: float | None = None  # seconds of the last attempt, good or bad
 
@@ -274,14 +286,26 @@ class MetricsScraper:
         timeout: float = DEFAULT_SCRAPE_TIMEOUT,
         session: aiohttp.ClientSession | None = None,
         parse: Callable[[str], EndpointMetrics] = parse_vllm_metrics,
+        failure_threshold: int | None = DEFAULT_FAILURE_THRESHOLD,
+        unreachable_after: float | None = DEFAULT_UNREACHABLE_AFTER,
     ) -> None:
+        """``failure_threshold`` / ``unreachable_after``: when an endpoint counts as unreachable
+        (module docstring); None disables that rule, both None disables reachability."""
         if interval <= 0:
             raise ValueError(f"scrape interval must be > 0 seconds, got {interval}")
         if timeout <= 0:
             raise ValueError(f"scrape timeout must be > 0 seconds, got {timeout}")
+        if failure_threshold is not None and failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1 (or None), got {failure_threshold}")
+        if unreachable_after is not None and unreachable_after <= 0:
+            raise ValueError(
+                f"unreachable_after must be > 0 seconds (or None), got {unreachable_after}"
+            )
         self.datastore = datastore
         self.interval = interval
         self.timeout = timeout
+        self.failure_threshold = failure_threshold
+        self.unreachable_after = unreachable_after
         self.status: dict[str, ScrapeStatus] = {}
         self._parse = parse
         self._session = session
@@ -366,8 +390,17 @@ class MetricsScraper:
         status = self.status.setdefault(address, ScrapeStatus())
         loop = asyncio.get_running_loop()
         started = loop.time()
+        watchdog = (
+            loop.call_later(self.unreachable_after, self._no_answer_yet, address)
+            if self.unreachable_after is not None
+            else None
+        )
+        answered = False
         try:
-            metrics = self._parse(await self._fetch(session, spec.metrics_url))
+            text = await self._fetch(session, spec.metrics_url)
+            answered = True
+            self._answered(address)
+            metrics = self._parse(text)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -375,11 +408,18 @@ class MetricsScraper:
             status.errors += 1
             status.consecutive_errors += 1
             status.last_error = _describe(exc, self.timeout)
+            if isinstance(exc, ScrapeError) and not answered:
+                self._answered(address)  # an HTTP error status: the server is there
+            elif not answered:
+                self._unanswered(address, status)
             if status.consecutive_errors == 1:
                 log.warning("scraping %s failed: %s", spec.metrics_url, status.last_error)
             else:
                 log.debug("scraping %s failed: %s", spec.metrics_url, status.last_error)
             return False
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         status.last_duration = loop.time() - started
         status.successes += 1
         if status.consecutive_errors:
@@ -390,6 +430,32 @@ class MetricsScraper:
             )
         status.consecutive_errors = 0
         return self.datastore.update_metrics(address, metrics)
+
+    # -- reachability ---------------------------------------------------------------------------
+
+    def _answered(self, address: str) -> None:
+        status = self.status.get(address)
+        if status is not None:
+            status.consecutive_unanswered = 0
+        if self.datastore.mark_reachable(address):
+            log.warning("endpoint %s answers again: routing to it resumes", address)
+
+    def _unanswered(self, address: str, status: ScrapeStatus) -> None:
+        status.consecutive_unanswered += 1
+        threshold = self.failure_threshold
+        if threshold is not None and status.consecutive_unanswered >= threshold:
+            self._mark_unreachable(
+                address, f"{status.consecutive_unanswered} scrapes unanswered ({status.last_error})"
+            )
+
+    def _no_answer_yet(self, address: str) -> None:
+        self._mark_unreachable(
+            address, f"a scrape has waited {self.unreachable_after:g} s for an answer"
+        )
+
+    def _mark_unreachable(self, address: str, reason: str) -> None:
+        if self.datastore.mark_unreachable(address, reason):
+            log.warning("endpoint %s is unreachable (%s): not routing to it", address, reason)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> str:
         async with session.get(

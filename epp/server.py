@@ -7,8 +7,15 @@
 
 Start order: telemetry, datastore, scheduler (plugins start), scraper, discovery, then the
 servers; readiness turns SERVING once discovery has synced.  Stop order is the reverse, after a
-drain: readiness goes NOT_SERVING first so Envoy and Kubernetes move traffic elsewhere, in-flight
-requests are given ``drain_timeout`` to finish, then the ext_proc server stops.
+drain: readiness goes NOT_SERVING first so Envoy and Kubernetes move traffic elsewhere; the
+ext_proc server keeps serving until nothing is in flight *and* no new request arrived for
+``drain_quiet_period`` (the time a proxy's health check needs to notice), or ``drain_timeout``
+passes; then it stops.  With two or more replicas behind Envoy's health-checked ext_proc cluster,
+a replica restarts without losing a request (``docs/reliability.md``).
+
+The ext_proc port speaks TLS with ``secure_serving`` (`epp.tls`); off by default because the
+project's own chart, demo and tests connect Envoy in plaintext inside the pod network (turn it on
+for gateways configured for the Inference Extension's default TLS).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from epp.admission import AdmissionController, AdmissionMode, AdmissionSettings
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore
 from epp.director import Director
@@ -36,8 +45,10 @@ from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.health import HealthService, add_health_service
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
-from epp.scraping import MetricsScraper
+from epp.scraping import DEFAULT_FAILURE_THRESHOLD, DEFAULT_UNREACHABLE_AFTER, MetricsScraper
 from epp.telemetry import Telemetry
+from epp.tls import server_credentials
+from indexer.index import KVBlockIndex
 from scorers.base import GaugeSample, PluginContext
 
 logger = logging.getLogger(__name__)
@@ -65,13 +76,27 @@ class ServerOptions:
     saturation_staleness: float = 0.2
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = 30.0
+    drain_quiet_period: float = 2.0
     tokenizer_workers: int = 2
+    endpoint_failure_threshold: int | None = DEFAULT_FAILURE_THRESHOLD
+    endpoint_unreachable_after: float | None = DEFAULT_UNREACHABLE_AFTER
+    max_in_flight_per_endpoint: int | None = None
+    admission_mode: AdmissionMode = "reject"
+    max_queued_requests: int = 1000
+    max_queue_wait: float = 5.0
+    secure_serving: bool = False
+    cert_path: str | None = None
+    enable_cert_reload: bool = False
 
 
 class EndpointPicker:
     """One running EPP.  `start` brings everything up; `stop` drains and tears it down."""
 
     def __init__(self, options: ServerOptions) -> None:
+        if not options.secure_serving and (options.cert_path or options.enable_cert_reload):
+            raise ValueError(
+                "--cert-path and --enable-cert-reload apply to TLS: add --secure-serving"
+            )
         self.options = options
         self.telemetry = Telemetry(pool_name=options.pool_name or "static")
         self.datastore = Datastore(staleness_threshold=options.saturation_staleness)
@@ -85,11 +110,21 @@ class EndpointPicker:
         self.scheduler: Scheduler = build_scheduler(
             config, self.context, on_plugin_duration=self.telemetry.observe_plugin
         )
-        self.director = Director(self.datastore, self.scheduler, self.telemetry)
+        self.admission = AdmissionController(
+            AdmissionSettings(
+                max_in_flight_per_endpoint=options.max_in_flight_per_endpoint,
+                mode=options.admission_mode,
+                max_queued=options.max_queued_requests,
+                max_queue_wait=options.max_queue_wait,
+            )
+        )
+        self.director = Director(self.datastore, self.scheduler, self.telemetry, self.admission)
         self.scraper = MetricsScraper(
             self.datastore,
             interval=options.refresh_metrics_interval,
             timeout=options.metrics_timeout,
+            failure_threshold=options.endpoint_failure_threshold,
+            unreachable_after=options.endpoint_unreachable_after,
         )
         self.discovery: Discovery = self._discovery()
         self.health = HealthService(lambda: self.datastore.synced)
@@ -98,6 +133,7 @@ class EndpointPicker:
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         self.telemetry.add_source(self._pool_samples)
+        self.telemetry.add_source(self._reliability_samples)
         self.telemetry.add_source(self._plugin_samples)
 
     def _discovery(self) -> Discovery:
@@ -135,18 +171,29 @@ class EndpointPicker:
         self.health_server = await _start_health_server(
             self.health, opts.host, opts.grpc_health_port
         )
+        tls = (
+            server_credentials(
+                cert_path=opts.cert_path,
+                reload=opts.enable_cert_reload,
+                hosts=[opts.host] if opts.host not in ("0.0.0.0", "::") else [],
+            )
+            if opts.secure_serving
+            else None
+        )
         self.extproc = await start_extproc_server(
             self.director,
             port=opts.grpc_port,
             host=opts.host,
             settings=ExtProcSettings(max_body_bytes=opts.max_body_bytes),
+            tls=tls,
             # Envoy's ext_proc cluster health check asks the ext_proc port itself.
             extra_services=(lambda server: add_health_service(server, self.health),),
         )
         await self._start_metrics_server()
         logger.info(
-            "endpoint picker serving: ext_proc :%d, health :%d, metrics :%d",
+            "endpoint picker serving: ext_proc :%d (%s), health :%d, metrics :%d",
             self.extproc.port,
+            "TLS" if tls is not None else "plaintext",
             self.health_server.port,
             self.metrics_port or 0,
         )
@@ -169,14 +216,20 @@ class EndpointPicker:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _drain(self) -> None:
-        """Wait until no routed request is in flight, at most ``drain_timeout``."""
+        """Keep serving until no routed request is in flight and none arrived for
+        ``drain_quiet_period`` (proxies still sending are not yet told we are leaving), at most
+        ``drain_timeout``."""
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         deadline = loop.time() + self.options.drain_timeout
+        quiet = self.options.drain_quiet_period
         while loop.time() < deadline:
-            if self.datastore.pool_stats().in_flight_requests == 0:
+            last = max(self.director.last_request_at or started, started)
+            idle = self.datastore.pool_stats().in_flight_requests == 0
+            if idle and time.monotonic() - last >= quiet:
                 return
-            await asyncio.sleep(0.1)
-        logger.warning("drain timeout reached with requests still in flight")
+            await asyncio.sleep(0.05)
+        logger.warning("drain timeout reached with requests still in flight or arriving")
 
     async def _start_metrics_server(self) -> None:
         async def metrics(_: web.Request) -> web.Response:
@@ -230,6 +283,48 @@ class EndpointPicker:
                 status.errors,
                 (("endpoint", address),),
             )
+
+    def _reliability_samples(self) -> Iterable[GaugeSample]:
+        datastore, admission = self.datastore, self.admission
+        yield GaugeSample(
+            "inference_extension_unreachable_endpoints",
+            "Ready endpoints left out of candidates because their /metrics stopped answering.",
+            len(datastore.unreachable()),
+        )
+        yield GaugeSample(
+            "inference_extension_endpoint_unreachable_transitions",
+            "Times an endpoint was found unreachable (cumulative).",
+            datastore.unreachable_marks_total,
+        )
+        yield GaugeSample(
+            "inference_extension_fail_open_decisions",
+            "Requests routed among unreachable endpoints because no candidate was reachable "
+            "(cumulative).",
+            datastore.fail_open_total,
+        )
+        if admission.settings.enabled:
+            yield GaugeSample(
+                "inference_extension_admission_queued_requests",
+                "Requests waiting for an endpoint with room.",
+                admission.queued,
+            )
+            for reason, count in admission.rejected_total.items():
+                yield GaugeSample(
+                    "inference_extension_admission_rejected",
+                    "Requests answered 429 by admission control (cumulative).",
+                    count,
+                    (("reason", reason),),
+                )
+        for plugin in self.scheduler.plugins:
+            index = getattr(plugin, "index", None)
+            if isinstance(index, KVBlockIndex):
+                for address in index.endpoints():
+                    yield GaugeSample(
+                        "inference_extension_kv_index_endpoint_entries",
+                        "(block, endpoint) entries the precise KV-block index holds per endpoint.",
+                        index.endpoint_stats(address).blocks,
+                        (("endpoint", address),),
+                    )
 
     def _plugin_samples(self) -> Iterable[GaugeSample]:
         for plugin in self.scheduler.plugins:

@@ -1,0 +1,172 @@
+"""Reachability: the scraper marks endpoints that stop answering, the datastore and the director
+leave them out of candidates (fail-open when none answers), and they come back on their own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from epp.datastore import Datastore, EndpointSpec
+from epp.director import Director
+from epp.scheduler import Scheduler, SchedulerProfile
+from epp.scraping import MetricsScraper
+from scorers.base import LLMRequest, PluginContext
+from scorers.pickers import MaxScorePicker
+from scorers.profiles import SingleProfileHandler
+from tests.epp.test_scraping import FakeVllm, eventually
+
+
+@pytest.fixture
+async def pod() -> AsyncIterator[FakeVllm]:
+    server = FakeVllm()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def test_routable_leaves_out_unreachable_endpoints_and_fails_open() -> None:
+    ds = Datastore()
+    for address in ("10.0.0.1:8000", "10.0.0.2:8000"):
+        ds.upsert(EndpointSpec(address=address))
+    assert ds.mark_unreachable("10.0.0.1:8000", "test")
+    assert not ds.mark_unreachable("10.0.0.1:8000", "again")  # already marked
+    assert not ds.mark_unreachable("10.9.9.9:8000", "unknown")  # not in the pool
+    assert [e.address for e in ds.routable(ds.endpoints())] == ["10.0.0.2:8000"]
+    assert ds.fail_open_total == 0
+    ds.mark_unreachable("10.0.0.2:8000", "test")
+    # Every candidate down: keep them all rather than answer 503 on a view that may be wrong.
+    assert len(ds.routable(ds.endpoints())) == 2
+    assert ds.fail_open_total == 1
+    assert ds.pool_stats().unreachable_endpoints == 2
+    assert ds.routable([]) == []
+    assert ds.mark_reachable("10.0.0.1:8000")
+    assert not ds.mark_reachable("10.0.0.1:8000")
+    assert [e.address for e in ds.routable(ds.endpoints())] == ["10.0.0.1:8000"]
+    ds.remove("10.0.0.2:8000")
+    assert ds.unreachable() == {}
+    assert ds.unreachable_marks_total == 2
+
+
+def test_a_changed_metrics_url_is_judged_afresh() -> None:
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address="10.0.0.1:8000"))
+    ds.mark_unreachable("10.0.0.1:8000", "test")
+    ds.upsert(EndpointSpec(address="10.0.0.1:8000", metrics_url="http://10.0.0.1:9000/metrics"))
+    assert ds.is_reachable("10.0.0.1:8000")
+
+
+async def test_a_refused_endpoint_is_unreachable_after_the_threshold_and_recovers(
+    pod: FakeVllm,
+) -> None:
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(ds, interval=0.02, timeout=0.5, failure_threshold=3)
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.status[pod.address].successes >= 1)
+        port = pod.port
+        await pod.stop()  # connections refused from now on
+        await eventually(lambda: not ds.is_reachable(pod.address))
+        assert scraper.status[pod.address].consecutive_unanswered >= 3
+        assert "unanswered" in ds.unreachable()[pod.address]
+        # Back on the same port: the first answer makes it routable again.
+        restarted = FakeVllm()
+        await _start_on(restarted, port)
+        try:
+            await eventually(lambda: ds.is_reachable(pod.address))
+        finally:
+            await restarted.stop()
+    finally:
+        await scraper.stop()
+
+
+async def test_a_hung_endpoint_is_unreachable_before_its_scrape_times_out(pod: FakeVllm) -> None:
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(
+        ds, interval=0.02, timeout=10.0, failure_threshold=3, unreachable_after=0.2
+    )
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.status[pod.address].successes >= 1)
+        pod.delay = 1.0  # accepts the connection, does not answer in time
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await eventually(lambda: not ds.is_reachable(pod.address), timeout=3)
+        assert loop.time() - started < 2.0  # long before the 10 s scrape timeout
+        assert "waited" in ds.unreachable()[pod.address]
+    finally:
+        await scraper.stop()
+        pod.delay = 0.0
+
+
+async def test_an_endpoint_answering_garbage_or_errors_stays_reachable(pod: FakeVllm) -> None:
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(ds, interval=0.02, timeout=0.5, failure_threshold=1)
+    await scraper.start()
+    try:
+        pod.page = "\x00\xff garbage { not prometheus"
+        await eventually(lambda: scraper.status[pod.address].errors >= 3)
+        pod.status = 503
+        errors = scraper.status[pod.address].errors
+        await eventually(lambda: scraper.status[pod.address].errors >= errors + 3)
+        # It answers, so it is alive; its metrics just age into "saturated".
+        assert ds.is_reachable(pod.address)
+        assert ds.unreachable_marks_total == 0
+    finally:
+        await scraper.stop()
+
+
+async def test_reachability_rules_can_be_disabled() -> None:
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address="127.0.0.1:1"))  # nothing listens on port 1
+    scraper = MetricsScraper(
+        ds, interval=0.01, timeout=0.2, failure_threshold=None, unreachable_after=None
+    )
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.status["127.0.0.1:1"].errors >= 5)
+        assert ds.is_reachable("127.0.0.1:1")
+    finally:
+        await scraper.stop()
+    with pytest.raises(ValueError, match="failure_threshold"):
+        MetricsScraper(ds, failure_threshold=0)
+    with pytest.raises(ValueError, match="unreachable_after"):
+        MetricsScraper(ds, unreachable_after=0)
+
+
+async def test_the_director_routes_around_an_unreachable_endpoint() -> None:
+    ds = Datastore(staleness_threshold=None)
+    for address in ("10.0.0.1:8000", "10.0.0.2:8000"):
+        ds.upsert(EndpointSpec(address=address))
+    context = PluginContext(endpoints=ds)
+    picker = MaxScorePicker("picker", MaxScorePicker.Parameters(), context)
+    profile = SchedulerProfile("default", [], [], picker)
+    handler = SingleProfileHandler("handler", SingleProfileHandler.Parameters(), context)
+    director = Director(ds, Scheduler([profile], handler))
+    ds.mark_unreachable("10.0.0.1:8000", "test")
+    for i in range(20):
+        decision = await director.route(LLMRequest(request_id=str(i), model="m"), None)
+        assert decision.targets == ("10.0.0.2:8000",)
+        director.response_complete(decision, None, 200)
+    body_less = director.route_without_body(LLMRequest(request_id="x", model=""), None)
+    assert body_less.targets == ("10.0.0.2:8000",)
+    # The subset hint names only the unreachable endpoint: fail-open within the subset.
+    decision = await director.route(LLMRequest(request_id="y", model="m"), frozenset({"10.0.0.1"}))
+    assert decision.targets == ("10.0.0.1:8000",)
+    assert ds.fail_open_total == 1
+
+
+async def _start_on(server: FakeVllm, port: int) -> None:
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/metrics", server.handle)
+    server.runner = web.AppRunner(app)
+    await server.runner.setup()
+    site = web.TCPSite(server.runner, "127.0.0.1", port)
+    await site.start()
+    server.port = port
