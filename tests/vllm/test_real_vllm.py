@@ -11,9 +11,10 @@ What each test proves:
 * the project's index (subscriber + `KVBlockIndex`, in process, and the EPP's own, by its
   gauge) holds exactly what the servers published, also after evictions (``BlockRemoved``) and a
   cache reset (``AllBlocksCleared``);
-* a server restarted with another PYTHONHASHSEED and hash algorithm: its old entries are dropped on
-  the sequence reset, its keys are flagged by the self-check (counter, log line), its blocks are
-  re-keyed under the EPP's hashes, and a request sharing its prefix is still routed to it.
+* servers restarted with another hash algorithm (sha256_cbor) or PYTHONHASHSEED ("0"): their
+  old entries are dropped on the sequence reset, their keys (which equal the EPP's hashes under
+  their configuration) are flagged by the self-check (counter, log line with a diagnosis), their
+  blocks are re-keyed under the EPP's hashes, and requests sharing their prefixes still go to them.
 
 The tests share servers and run in file order (about 4 minutes, most of it starting vLLM).
 """
@@ -25,13 +26,14 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache, partial
 from typing import Any
 
 import pytest
 
 from indexer.events import decode_batch
-from indexer.hashing import HashConfig, block_hashes, event_key
+from indexer.hashing import HashAlgo, HashConfig, block_hashes, event_key
 from scorers.base import Endpoint, LLMRequest, PluginContext, create_plugin
 from scorers.precise_prefix import PrecisePrefixCacheScorer
 from scorers.request_data import PREFIX_MATCHED_BLOCKS, PREFIX_TOTAL_BLOCKS
@@ -290,6 +292,11 @@ def index_differences(
     return feed.read(read)
 
 
+def held_by(feed: IndexFeed, address: str, keys: Iterable[int]) -> list[int]:
+    """The ``keys`` the index says ``address`` holds (call it through `IndexFeed.read`)."""
+    return [k for k in keys if address in feed.index.holders(k)]
+
+
 def wait_index_matches(feed: IndexFeed, server: VLLMServer, rekey: HashConfig | None) -> None:
     last: list[str] = []
 
@@ -321,6 +328,40 @@ def wait_epp_entries(
         wait_for(agree, "the EPP's inference_extension_kv_index_entries", timeout=timeout)
     except AssertionError as exc:
         raise AssertionError(f"{exc}: EPP {seen}, servers hold {expected}") from None
+
+
+@cache
+def _tokenizing_scorer() -> PrecisePrefixCacheScorer:
+    return precise_scorer("127.0.0.1:1", "sha256", None)
+
+
+def prompt_ids(body: Mapping[str, Any]) -> list[int]:
+    """The prompt ids the EPP computes for a body (the precise scorer's tokenization)."""
+    request = epp_request(body)
+    asyncio.run(_tokenizing_scorer().prepare(request, []))
+    assert request.prompt_token_ids is not None
+    return request.prompt_token_ids
+
+
+def follow_up_lands_on(
+    servers: Mapping[str, VLLMServer],
+    gateway: Gateway,
+    holder: str,
+    first: Mapping[str, Any],
+    second: Mapping[str, Any],
+) -> None:
+    """``holder`` served ``first``; ``second`` (sharing its prefix), sent through Envoy, must be
+    routed there once the EPP has indexed it, and hit every shared full block."""
+    wait_epp_entries(gateway, servers)
+    before = {n: finished_requests(s) for n, s in servers.items()}
+    hits_before = servers[holder].metrics()["vllm:prefix_cache_hits_total"]
+    answer = send(gateway, second)
+    assert served_by(servers, before) == holder
+    cached = expected_cached_tokens(prompt_ids(first), prompt_ids(second))
+    assert cached >= 4 * BLOCK_SIZE
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    hits = servers[holder].metrics()["vllm:prefix_cache_hits_total"] - hits_before
+    assert hits == cached
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,26 +398,6 @@ def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
     # here) fetch its replay buffer from seq 0: see the xfail above.
     for name, server in servers.items():
         server.completion(text(ord(name), 30), max_tokens=1)
-    tokenizer_plugin = precise_scorer("x:1", "sha256", None)
-
-    def prompt_ids(body: Mapping[str, Any]) -> list[int]:
-        request = epp_request(body)
-        asyncio.run(tokenizer_plugin.prepare(request, []))
-        assert request.prompt_token_ids is not None
-        return request.prompt_token_ids
-
-    def follow_up_lands_on(holder: str, first: dict[str, Any], second: dict[str, Any]) -> None:
-        wait_epp_entries(gateway, servers)
-        before = {n: finished_requests(s) for n, s in servers.items()}
-        hits_before = servers[holder].metrics()["vllm:prefix_cache_hits_total"]
-        answer = send(gateway, second)
-        assert served_by(servers, before) == holder
-        cached = expected_cached_tokens(prompt_ids(first), prompt_ids(second))
-        assert cached >= 4 * BLOCK_SIZE
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
-        hits = servers[holder].metrics()["vllm:prefix_cache_hits_total"] - hits_before
-        assert hits == cached
-
     # The issue's scenario: the first request goes wherever the EPP sends it, the second
     # (same prefix, another question) follows it.
     for shape, seed in (("completions", 300), ("chat", 400)):
@@ -385,7 +406,8 @@ def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
         before = {n: finished_requests(s) for n, s in servers.items()}
         send(gateway, first)
         holder = served_by(servers, before)
-        follow_up_lands_on(holder, first, body_of(shape, prefix, text(seed + 2, 10)))
+        second = body_of(shape, prefix, text(seed + 2, 10))
+        follow_up_lands_on(servers, gateway, holder, first, second)
 
     # Luck cannot pass this part: one prefix is placed on each server behind the EPP's back, and
     # each follow-up must find its own server.
@@ -393,7 +415,8 @@ def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
         prefix = text(seed, 150)
         first = body_of("completions", prefix, text(seed + 1, 10))
         send(servers[name], first)
-        follow_up_lands_on(name, first, body_of("completions", prefix, text(seed + 2, 10)))
+        second = body_of("completions", prefix, text(seed + 2, 10))
+        follow_up_lands_on(servers, gateway, name, first, second)
 
 
 def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
@@ -420,7 +443,7 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
     wait_index_matches(feed, a, rekey=None)
     gone = [k for k in published.removed if k not in published.held]
     assert gone
-    assert feed.read(lambda: [k for k in gone if a.spec.address in feed.index.holders(k)]) == []
+    assert feed.read(partial(held_by, feed, a.spec.address, gone)) == []
     wait_epp_entries(gateway, servers)
 
     # A cache reset (AllBlocksCleared): every index forgets all that server held.  vLLM queues
@@ -451,65 +474,96 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
         ), address
 
 
-def test_restart_with_another_hash_config_is_detected_flagged_and_still_routed(
+def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_routed(
     servers: dict[str, VLLMServer],
     feed: IndexFeed,
     gateway: Gateway,
     epp_hash_config: HashConfig,
 ) -> None:
-    b = servers["b"]
-    address = b.spec.address
-    # Enough batches before the restart that the new server's first batches, some of which a
+    # Server a comes back hashing with sha256 over CBOR, server b with PYTHONHASHSEED=0 (llm-d's
+    # default, where vLLM's is unset): one knob each, both restarted on their old ports.
+    new_config: dict[str, tuple[HashAlgo, str | None]] = {
+        "a": ("sha256_cbor", None),
+        "b": ("sha256", "0"),
+    }
+    diagnosis = {
+        "a": "Its keys match algo sha256_cbor, PYTHONHASHSEED unset, block size 32.",
+        "b": "Its keys match algo sha256, PYTHONHASHSEED '0', block size 32.",
+    }
+    # Enough batches before the restart that the new servers' first batches, some of which a
     # reconnecting SUB may miss, still carry a seq at or below the old last one (the reset).
-    for seed in range(800, 812):
-        b.completion(text(seed, 40), max_tokens=1)
-    wait_index_matches(feed, b, rekey=None)
-    old = b.published()
-    old_keys = set(old.held)
-    assert len(old.batches) >= 12 and old_keys
+    for n in range(800, 812):
+        servers["b"].completion(text(n, 40), max_tokens=1)
+    old_keys = {}
+    for name, server in servers.items():
+        wait_index_matches(feed, server, rekey=None)
+        published = server.published()
+        assert len(published.batches) >= 12 and published.held, name
+        old_keys[name] = set(published.held)
 
-    b.restart(hash_algo="sha256_cbor", hash_seed="42")
+    for name, server in servers.items():
+        algo, hash_seed = new_config[name]
+        server.restart(wait=False, hash_algo=algo, hash_seed=hash_seed)
+    for server in servers.values():
+        server.wait_ready()
 
-    # vLLM sends nothing at start-up: the restart shows when its first batches arrive.
+    # vLLM sends nothing at start-up: a restart shows when its first batches arrive.
     seeds = itertools.count(900)
 
-    def restart_seen() -> bool:
-        b.completion(text(next(seeds), 40), max_tokens=1)
+    def restarts_seen() -> bool:
+        for server in servers.values():
+            server.completion(text(next(seeds), 40), max_tokens=1)
         # About one batch a second: the EPP's SUB reconnects within its 5 s backoff, long before
         # the new seq can overtake the old one (which would hide the reset).
         time.sleep(1.0)
-        stats = feed.read(lambda: feed.pool.endpoint_stats(address))
+        stats = feed.read(
+            lambda: [feed.pool.endpoint_stats(s.spec.address) for s in servers.values()]
+        )
         epp = gateway.epp_metrics().get("inference_extension_kv_events_restarts_detected", 0)
-        return stats is not None and stats.restarts_detected >= 1 and epp >= 1
+        return all(s is not None and s.restarts_detected == 1 for s in stats) and epp == 2
 
-    wait_for(restart_seen, "the sequence reset to be noticed by the index and the EPP")
+    wait_for(restarts_seen, "the sequence resets to be noticed by the index and the EPP")
 
-    # The new server's keys are its own configuration's (sha256 over CBOR, seed "42")...
-    body = body_of("chat", text(1000, 150), text(1001, 10))
-    ids, keys = check_prompt_keys(b, body, algo="sha256_cbor", seed="42")
-    assert set(keys).isdisjoint(block_hashes(ids, block_size=BLOCK_SIZE, algo="sha256"))
+    prefixes = {}
+    for name, server in servers.items():
+        address = server.spec.address
+        algo, hash_seed = new_config[name]
+        # The new server's keys are those of its own configuration...
+        shape = "chat" if name == "a" else "completions"
+        prefix = text(1000 + ord(name), 150)
+        first = body_of(shape, prefix, text(1001, 10))
+        ids, keys = check_prompt_keys(server, first, algo=algo, seed=hash_seed)
+        assert set(keys).isdisjoint(block_hashes(ids, block_size=BLOCK_SIZE, algo="sha256"))
+        prefixes[name] = (first, body_of(shape, prefix, text(1002, 10)))
 
-    # ...which the self-check flags; the index re-keys them under the EPP's own hashes.
-    stats = feed.read(lambda: feed.index.endpoint_stats(address))
-    assert stats.hash_mismatch and stats.mismatch_events >= 1 and stats.rekeyed_blocks > 0
-    wait_index_matches(feed, b, rekey=epp_hash_config)
-    assert feed.read(lambda: [k for k in old_keys if address in feed.index.holders(k)]) == []
-    wait_index_matches(feed, servers["a"], rekey=None)
+        # ...which the self-check flags: the index re-keys them under the EPP's own hashes, and
+        # what the server held before the restart is gone.
+        stats = feed.read(partial(feed.index.endpoint_stats, address))
+        assert stats.hash_mismatch and stats.mismatch_events >= 1 and stats.rekeyed_blocks > 0
+        wait_index_matches(feed, server, rekey=epp_hash_config)
+        held_old = feed.read(partial(held_by, feed, address, old_keys[name]))
+        assert held_old == [], name
 
-    def mismatch_reported() -> dict[str, float] | None:
+    # The EPP flags both, with a diagnosis of each server's configuration.
+    def mismatches_reported() -> dict[str, float] | None:
         metrics = gateway.epp_metrics()
-        return metrics if metrics.get("inference_extension_kv_hash_mismatches") else None
+        return metrics if metrics.get("inference_extension_kv_hash_mismatches", 0) >= 2 else None
 
-    epp = wait_for(mismatch_reported, "the EPP's inference_extension_kv_hash_mismatches")
-    assert epp[f'inference_extension_kv_hash_mismatches{{endpoint="{address}"}}'] >= 1
+    metrics = wait_for(mismatches_reported, "the EPP's inference_extension_kv_hash_mismatches")
     log = gateway.epp_log()
-    assert f"endpoint {address} hashes KV blocks differently from this EPP" in log
-    assert "Its keys match algo sha256_cbor, PYTHONHASHSEED '42', block size 32" in log
+    for name, server in servers.items():
+        address = server.spec.address
+        assert metrics[f'inference_extension_kv_hash_mismatches{{endpoint="{address}"}}'] >= 1
+        line = next(
+            (
+                x
+                for x in log.splitlines()
+                if f"endpoint {address} hashes KV blocks differently" in x
+            ),
+            "",
+        )
+        assert diagnosis[name] in line, line or log[-3000:]
 
-    # Routing stays correct: a request sharing the chat prefix the new server holds goes there.
-    second = body_of("chat", text(1000, 150), text(1002, 10))
-    wait_epp_entries(gateway, servers)
-    before = {n: finished_requests(s) for n, s in servers.items()}
-    answer = send(gateway, second)
-    assert served_by(servers, before) == "b"
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK_SIZE
+    # Routing stays correct: each follow-up goes to the server holding its prefix.
+    for name, (first, second) in prefixes.items():
+        follow_up_lands_on(servers, gateway, name, first, second)

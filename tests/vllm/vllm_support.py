@@ -312,12 +312,14 @@ class VLLMServer:
             proc.wait(timeout=10)
         self.proc = None
 
-    def restart(self, **changes: Any) -> None:
-        """Stop, then start on the same ports, with ``changes`` to the spec (e.g. a new seed)."""
+    def restart(self, *, wait: bool = True, **changes: Any) -> None:
+        """Stop, then start on the same ports, with ``changes`` to the spec (e.g. a new seed);
+        ``wait=False`` returns at once (call `wait_ready`), to restart several together."""
         self.stop()
         self.spec = replace(self.spec, **changes)
         self.start()
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
 
     # -- its API -----------------------------------------------------------------------------
 
