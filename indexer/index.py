@@ -20,7 +20,10 @@ Every big container holds only ints (the reverse maps are ``dict[int, None]``, n
 cyclic garbage collector does not track them: a full collection would otherwise walk every entry,
 about 60 ns each, which is 600 ms at 10 M entries.
 
-Memory is bounded by ``max_entries`` (block, endpoint) entries.  Eviction is by block, oldest
+Memory is bounded by ``max_entries`` (block, endpoint) entries.  When the bound is reached by a
+store from an endpoint holding more than its fair share (``max_entries`` / endpoints), that
+endpoint's own oldest entries go first: a pod flooding the index with bogus `BlockStored`s
+evicts only itself, never the blocks other pods really hold.  Otherwise eviction is by block, oldest
 first, CLOCK-style: ``_blocks`` is insertion-ordered, so its first keys are the oldest; a store
 of a block already indexed, or a lookup that matched it, marks it recently used, and a marked block
 found at the old end gets a second chance (moved to the young end, mark cleared) instead of being
@@ -295,6 +298,8 @@ class KVBlockIndex:
         """Entries dropped by `AllBlocksCleared`, `clear_endpoint` and `remove_endpoint`."""
         self.evictions_total = 0
         """Entries evicted because ``max_entries`` was reached."""
+        self.share_evictions_total = 0
+        """Of which were an over-share endpoint's own entries (see the module docstring)."""
         self.mismatch_events_total = 0
         self.verified_blocks_total = 0
         self.unverified_blocks_total = 0
@@ -691,8 +696,9 @@ class KVBlockIndex:
         self.rekeyed_blocks_total += count
         self._store(ep, ours, tier)
         # Links of blocks the pod never removes (lost events) must not grow without bound.
-        if len(links) > self.max_entries:
-            for engine in list(islice(links, len(links) - self.max_entries)):
+        share = self._fair_share()
+        if len(links) > share:
+            for engine in list(islice(links, len(links) - share)):
                 del links[engine]
 
     # -----------------------------------------------------------------------------------------
@@ -795,7 +801,56 @@ class KVBlockIndex:
         if restored:
             self._read_log.append(tuple(restored))
         if self.entries > self.max_entries:
-            self._evict()
+            self._evict_over_share(ep)
+            if self.entries > self.max_entries:
+                self._evict()
+
+    def _fair_share(self) -> int:
+        return max(1, self.max_entries // max(1, len(self._endpoints)))
+
+    def _evict_over_share(self, ep: _Endpoint) -> None:
+        """The index is full and ``ep`` stored last: if ``ep`` holds more than its fair share,
+        drop its own oldest entries (a little more than needed, so this runs once per batch)."""
+        share = self._fair_share()
+        excess = len(ep.keys) - share
+        if excess <= 0:
+            return
+        slack = max(1, min(share // 100, 65_536))
+        drop = min(len(ep.keys), excess + slack, self.entries - self._evict_to)
+        keyset = ep.keys
+        # Recently read or re-stored blocks get a second chance, as in `_evict` (whose log
+        # this leaves in place): moved to the young end of the endpoint's own order.
+        marked: set[int] = set()
+        for used in self._read_log:
+            marked.update(used)
+        victims: list[int] = []
+        for key in list(islice(keyset, drop + len(marked))):
+            if len(victims) == drop:
+                break
+            if key in marked:
+                keyset[key] = keyset.pop(key)
+            else:
+                victims.append(key)
+        blocks = self._blocks
+        masks = self._masks
+        tiers = self._tiers
+        keep = ~ep.bit
+        for key in victims:
+            packed = tiers.get(key) if tiers else None
+            if packed is None:
+                mask = blocks[key] & keep
+                if mask:
+                    blocks[key] = masks.setdefault(mask, mask)
+                else:
+                    del blocks[key]
+            else:
+                gpu, cpu, storage = self._unpack(packed)
+                self._set_tiers(key, gpu & keep, cpu & keep, storage & keep)
+            del keyset[key]
+        dropped = len(victims)
+        self.entries -= dropped
+        self.evictions_total += dropped
+        self.share_evictions_total += dropped
 
     # Tier masks of a block held off GPU, packed as ``gpu | cpu << w | storage << 2w`` with
     # ``w = _tier_width`` so that `_tiers` holds ints only (see the module docstring).

@@ -28,6 +28,17 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
 
 Malformed frames and undecodable payloads are counted and dropped; nothing a pod sends stops the
 receive loops.  The sink (the KV index) never sees a socket: it gets decoded `KVEventBatch` values.
+
+Hostile or broken pods are bounded: a payload larger than ``max_batch_bytes`` is dropped without
+being decoded (counted in ``oversized_batches``; its seq is consumed), so one batch cannot stall
+the event loop for long (decoding costs about 0.1 s per MB of one-block events); a message over
+``max_message_bytes`` is refused by ZMQ itself before it is buffered (libzmq then drops the
+connection and does not reconnect it: that pod's events stop, as for a pod that stopped
+publishing, until it is re-added); and replays are
+rate-limited per endpoint (a burst of ``replay_burst``, then one per ``replay_interval_s``), so a
+pod sending forged sequence numbers (jumps, or seqs going back, which look like restarts) cannot
+make the EPP replay its buffer in a loop: gaps beyond the budget are counted as unrecovered and
+the stream continues from the live seq.
 """
 
 from __future__ import annotations
@@ -113,13 +124,31 @@ class SubscriberConfig:
     # Messages handled back to back before yielding to the event loop, so a flood of events
     # cannot stall request handling.
     yield_every: int = 256
+    # Largest payload decoded; larger ones are dropped unread.  A vLLM step's batch is far
+    # smaller (a step schedules at most max_num_batched_tokens: typically well under 1 MB).
+    max_batch_bytes: int = 4 * 1024 * 1024
+    # ZMQ's MAXMSGSIZE on the SUB and replay sockets, a memory guard: a larger message makes
+    # libzmq drop the connection for good.
+    max_message_bytes: int = 256 * 1024 * 1024
+    # Replays per endpoint: up to `replay_burst` at once, then one per `replay_interval_s`.
+    replay_burst: int = 4
+    replay_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.replay_timeout_s > 0:
-            raise SubscriberConfigError(
-                f"replay_timeout_s must be > 0 seconds, got {self.replay_timeout_s!r}"
-            )
-        for name in ("max_held_messages", "rcvhwm", "reconnect_ivl_ms", "yield_every"):
+        for name in ("replay_timeout_s", "replay_interval_s"):
+            if not getattr(self, name) > 0:
+                raise SubscriberConfigError(
+                    f"{name} must be > 0 seconds, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "max_held_messages",
+            "rcvhwm",
+            "reconnect_ivl_ms",
+            "yield_every",
+            "max_message_bytes",
+            "max_batch_bytes",
+            "replay_burst",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise SubscriberConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -138,6 +167,7 @@ class FeedStats:
     batches_replayed: int = 0  # of which came from a replay
     events: int = 0  # events in the delivered batches
     decode_errors: int = 0  # payloads that are not a KVEventBatch (the seq is consumed)
+    oversized_batches: int = 0  # payloads over max_batch_bytes, dropped unread (seq consumed)
     malformed_frames: int = 0  # wrong frame count, seq not 8 bytes, bad replay reply
     duplicates_dropped: int = 0  # seqs already applied (live copies of replayed batches)
     gaps_detected: int = 0
@@ -145,6 +175,7 @@ class FeedStats:
     gaps_unrecovered: int = 0
     replays_requested: int = 0
     replays_failed: int = 0  # timed out or failed on the socket
+    replays_rate_limited: int = 0  # gaps or first contacts not replayed (replay budget spent)
     restarts_detected: int = 0
     sink_errors: int = 0  # the sink raised; the batch is lost to it
     held_messages_dropped: int = 0  # see SubscriberConfig.max_held_messages
@@ -281,6 +312,7 @@ def _configure_receiver(sock: zmq.asyncio.Socket, config: SubscriberConfig) -> N
     sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
     sock.setsockopt(zmq.RECONNECT_IVL, config.reconnect_ivl_ms)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, config.reconnect_ivl_max_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     if config.heartbeat_ivl_ms:
         sock.setsockopt(zmq.HEARTBEAT_IVL, config.heartbeat_ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, config.heartbeat_timeout_ms)
@@ -328,6 +360,9 @@ class _EndpointFeed:
         self._replay_task: asyncio.Task[None] | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._closed = False
+        # Replay budget (token bucket): tokens left and when they were last topped up.
+        self._replay_tokens = float(config.replay_burst)
+        self._replay_refilled = time.monotonic()
         if replay_url is not None:
             self._dealer = self._open_dealer()
 
@@ -393,7 +428,7 @@ class _EndpointFeed:
             self._apply(seq, payload)
         elif seq > expected:
             self.stats.gaps_detected += 1
-            if self._dealer is not None:
+            if self._dealer is not None and self._take_replay_token():
                 log.info(
                     "KV events from %s: gap, expected seq %d, got %d; replaying",
                     self.endpoint,
@@ -403,14 +438,19 @@ class _EndpointFeed:
                 self._start_replay(expected, seq, payload, gap=True)
             else:
                 self.stats.gaps_unrecovered += 1
-                log.warning(
-                    "KV events from %s: %d batches lost (seq %d-%d) and no replay endpoint is "
-                    "configured; the index may keep blocks the pod evicted",
-                    self.endpoint,
-                    seq - expected,
-                    expected,
-                    seq - 1,
-                )
+                if self.stats.gaps_unrecovered == 1 or _log_spaced(self.stats.gaps_unrecovered):
+                    log.warning(
+                        "KV events from %s: %d batches lost (seq %d-%d) and %s; the index may "
+                        "keep blocks the pod evicted (%d such gaps so far)",
+                        self.endpoint,
+                        seq - expected,
+                        expected,
+                        seq - 1,
+                        "no replay endpoint is configured"
+                        if self._dealer is None
+                        else "its replay budget is spent",
+                        self.stats.gaps_unrecovered,
+                    )
                 self._last_live = seq
                 self._apply(seq, payload)
         elif self._last_live is None or seq > self._last_live:
@@ -431,8 +471,37 @@ class _EndpointFeed:
             self._last_live = None
             self._first_contact(seq, payload)
 
+    def _take_replay_token(self) -> bool:
+        """Spend one replay from the budget; False (counted) when it is spent."""
+        config = self._config
+        now = time.monotonic()
+        self._replay_tokens = min(
+            float(config.replay_burst),
+            self._replay_tokens + (now - self._replay_refilled) / config.replay_interval_s,
+        )
+        self._replay_refilled = now
+        if self._replay_tokens >= 1.0:
+            self._replay_tokens -= 1.0
+            return True
+        self.stats.replays_rate_limited += 1
+        if _log_spaced(self.stats.replays_rate_limited):
+            log.warning(
+                "KV events from %s: replay budget spent (%d replays at once, then one per "
+                "%g s); not replaying (%d times so far)",
+                self.endpoint,
+                config.replay_burst,
+                config.replay_interval_s,
+                self.stats.replays_rate_limited,
+            )
+        return False
+
     def _first_contact(self, seq: int, payload: bytes) -> None:
-        if seq > 0 and self._dealer is not None and self._config.replay_on_first_contact:
+        if (
+            seq > 0
+            and self._dealer is not None
+            and self._config.replay_on_first_contact
+            and self._take_replay_token()
+        ):
             self._expected = 0
             self._start_replay(0, seq, payload, gap=False)
         else:
@@ -545,6 +614,19 @@ class _EndpointFeed:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self._expected = seq + 1
+        if len(payload) > self._config.max_batch_bytes:
+            self.stats.oversized_batches += 1
+            if _log_spaced(self.stats.oversized_batches):
+                log.warning(
+                    "KV events from %s: seq %d dropped unread, its %d bytes exceed the %d-byte "
+                    "limit (%d so far)",
+                    self.endpoint,
+                    seq,
+                    len(payload),
+                    self._config.max_batch_bytes,
+                    self.stats.oversized_batches,
+                )
+            return
         try:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
