@@ -50,15 +50,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "dashboard": {"enabled": True},
     },
     "envoy": {"envoy": {"enabled": True}},
-    "envoy-buffered": {
+    "envoy-buffered-tls": {
         "envoy": {
             "enabled": True,
             "requestBodyMode": "BUFFERED",
             "failureModeAllow": True,
-            "extProcHealthCheck": False,
+            "extProcHealthCheckIntervalSeconds": None,
             "messageTimeoutSeconds": 30,
         },
         "maxBodyBytes": 8388608,
+        "tls": {"enabled": True, "secretName": "epp-tls"},
     },
     "custom-weights": {
         "scheduling": {
@@ -120,7 +121,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "inferencePool": {"create": True},
         "serviceMonitor": {"enabled": True},
         "dashboard": {"enabled": True},
-        "envoy": {"enabled": True, "replicas": 2},
+        "envoy": {"enabled": True, "replicas": 2, "extProcHealthCheckIntervalSeconds": 0.5},
+        "tls": {"enabled": True},
         "tokenizer": {"volume": {"emptyDir": {}}},
         "flags": {"refresh-metrics-interval": "100ms", "tokenizer-workers": 4},
         "extraArgs": ["--saturation-staleness=500ms"],
@@ -354,6 +356,13 @@ def test_rendered_args_are_accepted_by_epp_serve(
     assert args.max_body_bytes == values["maxBodyBytes"]
     mounts = {m["name"]: m["mountPath"] for m in r.epp_container()["volumeMounts"]}
     assert Path(args.config_file).parent == Path(mounts["config"])
+    tls = values["tls"]
+    assert args.secure_serving is tls["enabled"]
+    if tls["enabled"] and tls["secretName"]:
+        assert args.enable_cert_reload is True
+        assert Path(args.cert_path) == Path(mounts["tls"])
+    else:
+        assert args.cert_path is None and "tls" not in mounts
     if precise_parameters(r.epp_config_text()) is not None:
         assert args.kv_events_port == values["vllm"]["kvEventsPort"]
         assert args.kv_events_replay_port == values["vllm"]["kvEventsReplayPort"]
@@ -482,18 +491,10 @@ def test_envoy_config_is_the_one_epp_envoy_bootstrap_renders(
     rendered: dict[str, Rendered], variant: str
 ) -> None:
     """The chart's template and `render_envoy_config` (which the demo and the end-to-end tests
-    run for real) must not drift apart; the chart only adds the ext_proc health check."""
-    envoy = effective(VARIANTS[variant])["envoy"]
+    run for real) must not drift apart."""
+    values = effective(VARIANTS[variant])
+    envoy = values["envoy"]
     chart = yaml.safe_load(rendered[variant].envoy_config_text())
-    ext_proc = chart["static_resources"]["clusters"][0]
-    health_checks = ext_proc.pop("health_checks", None)
-    if envoy["extProcHealthCheck"]:
-        (check,) = health_checks
-        assert check["grpc_health_check"] == {
-            "service_name": "envoy.service.ext_proc.v3.ExternalProcessor"
-        }
-    else:
-        assert health_checks is None
     reference = yaml.safe_load(
         render_envoy_config(
             listen_port=envoy["listenPort"],
@@ -507,7 +508,9 @@ def test_envoy_config_is_the_one_epp_envoy_bootstrap_renders(
             message_timeout_s=envoy["messageTimeoutSeconds"],
             route_timeout_s=envoy["routeTimeoutSeconds"],
             connect_timeout_s=envoy["connectTimeoutSeconds"],
-            max_request_body_bytes=effective(VARIANTS[variant])["maxBodyBytes"],
+            max_request_body_bytes=values["maxBodyBytes"],
+            extproc_tls=values["tls"]["enabled"],
+            extproc_health_check_interval_s=envoy["extProcHealthCheckIntervalSeconds"],
         )
     )
     assert chart == reference

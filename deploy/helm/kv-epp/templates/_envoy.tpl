@@ -1,8 +1,7 @@
 {{/*
 The standalone Envoy's bootstrap.  It is the structure epp/envoy_bootstrap.py renders (the demo and
 the end-to-end tests run that one), with the EPP's headless Service as the ext_proc host:
-tests/deploy/test_chart.py compares the two field by field, so change both together.  Only
-addition: the gRPC health check on the ext_proc cluster (extProcHealthCheck).
+tests/deploy/test_chart.py compares the two field by field, so change both together.
 */}}
 {{- define "kv-epp.envoyConfig" -}}
 {{- $e := .Values.envoy }}
@@ -105,13 +104,24 @@ static_resources:
               - endpoint:
                   address:
                     socket_address: {address: {{ $host }}, port_value: {{ $port }}}
-      {{- if $e.extProcHealthCheck }}
-      # The EPP answers grpc.health.v1 on the ext_proc port too; NOT_SERVING while draining.
+      {{- if .Values.tls.enabled }}
+      # The EPP serves ext_proc over TLS; like the Inference Extension's proxies, any
+      # certificate is accepted (the EPP's is self-signed unless tls.secretName is set).
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          common_tls_context:
+            alpn_protocols: [h2]
+      {{- end }}
+      {{- with $e.extProcHealthCheckIntervalSeconds }}
+      # Each replica answers grpc.health.v1 on the ext_proc port: NOT_SERVING while draining.
       health_checks:
-        - timeout: 2s
-          interval: 5s
-          unhealthy_threshold: 2
+        - timeout: {{ maxf 0.1 (minf 2.0 .) }}s
+          interval: {{ . }}s
+          unhealthy_threshold: 1
           healthy_threshold: 1
+          reuse_connection: true
           grpc_health_check:
             service_name: envoy.service.ext_proc.v3.ExternalProcessor
       {{- end }}

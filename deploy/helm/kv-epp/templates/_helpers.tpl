@@ -238,6 +238,13 @@ comes from the downward API; the topic is informational (the EPP keys events by 
 {{- else }}
 - --kv-events-port=off
 {{- end }}
+{{- if .Values.tls.enabled }}
+- --secure-serving=true
+{{- if .Values.tls.secretName }}
+- --cert-path=/etc/epp/tls
+- --enable-cert-reload=true
+{{- end }}
+{{- end }}
 - --drain-timeout={{ .Values.drainTimeoutSeconds }}s
 - --max-body-bytes={{ int64 .Values.maxBodyBytes }}
 {{- range $key, $value := .Values.flags }}
