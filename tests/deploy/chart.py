@@ -92,7 +92,8 @@ class Rendered:
     def epp_container(self) -> dict[str, Any]:
         deployment = self.get("Deployment", f"{RELEASE}-kv-epp")
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        return container
+        result: dict[str, Any] = container
+        return result
 
     def epp_config_text(self) -> str:
         text: str = self.get("ConfigMap", f"{RELEASE}-kv-epp")["data"]["epp-config.yaml"]
@@ -193,3 +194,12 @@ class Helm:
 
     def lint(self, values: Mapping[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
         return self.run("lint", "--strict", str(CHART_DIR), *self._values_args(values, []))
+
+
+def vllm_flags(notes: str) -> tuple[list[str], dict[str, str]]:
+    """The args list and env names/values of the YAML snippet NOTES.txt prints."""
+    start = notes.index("        args:")
+    end = notes.index("\n\n", start)
+    snippet = yaml.safe_load(notes[start:end])
+    env = {e["name"]: e.get("value") for e in snippet["env"]}
+    return snippet["args"], env

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -27,7 +27,7 @@ from epp.cli import build_parser, check_config
 from epp.config import load_config
 from epp.envoy_bootstrap import render_envoy_config, validate_config
 from indexer.hashing import HASH_ALGOS
-from tests.deploy.chart import CHART_DIR, NAMESPACE, RELEASE, Helm, Rendered
+from tests.deploy.chart import CHART_DIR, NAMESPACE, RELEASE, Helm, Rendered, vllm_flags
 from tests.deploy.custom_resources import INFERENCE_POOL_V1, SERVICE_MONITOR_V1
 
 FULLNAME = f"{RELEASE}-kv-epp"
@@ -544,15 +544,6 @@ def test_envoy_reaches_every_epp_replica_through_a_headless_service(
 
 # ---------------------------------------------------------------------------------------------
 # NOTES.txt: the vLLM side of the contract
-
-
-def vllm_flags(notes: str) -> tuple[list[str], dict[str, str]]:
-    """The args list and env names/values of the YAML snippet NOTES.txt prints."""
-    start = notes.index("        args:")
-    end = notes.index("\n\n", start)
-    snippet = yaml.safe_load(notes[start:end])
-    env = {e["name"]: e.get("value") for e in snippet["env"]}
-    return snippet["args"], env
 
 
 @pytest.mark.parametrize(
