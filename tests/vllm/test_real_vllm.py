@@ -6,6 +6,7 @@ What each test proves:
 * the EPP's tokenization (completions and chat) equals vLLM's ``/tokenize``, and the block keys
   the precise scorer computes equal the ``BlockStored`` keys vLLM publishes for that prompt (tokens,
   chain and all); the project's event decoder reads every field vLLM sends;
+* the EPP's metrics parser reads real vLLM's load gauges and ``cache_config_info``;
 * through Envoy and the EPP, a request sharing a prefix goes to the server holding it, and vLLM
   reports the prefix-cache hit (``cached_tokens``, ``vllm:prefix_cache_hits_total``);
 * the project's index (subscriber + `KVBlockIndex`, in process, and the EPP's own, by its
@@ -27,6 +28,7 @@ import json
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from typing import Any
 
@@ -34,7 +36,7 @@ import pytest
 
 from indexer.events import decode_batch
 from indexer.hashing import HashAlgo, HashConfig, block_hashes, event_key
-from scorers.base import Endpoint, LLMRequest, PluginContext, create_plugin
+from scorers.base import Endpoint, EndpointMetrics, LLMRequest, PluginContext, create_plugin
 from scorers.precise_prefix import PrecisePrefixCacheScorer
 from scorers.request_data import PREFIX_MATCHED_BLOCKS, PREFIX_TOTAL_BLOCKS
 from tests.vllm.vllm_support import (
@@ -45,6 +47,7 @@ from tests.vllm.vllm_support import (
     IndexFeed,
     Published,
     VLLMServer,
+    http_text,
     wait_for,
 )
 
@@ -375,6 +378,31 @@ def test_epp_tokens_and_block_keys_equal_what_vllm_publishes(
     seed = 100 if shape == "completions" else 200
     body = body_of(shape, text(seed, 110), text(seed + 1, 12))
     check_prompt_keys(servers["a"], body, algo="sha256", seed=None)
+
+
+def test_epp_reads_the_load_and_cache_config_vllm_reports(servers: dict[str, VLLMServer]) -> None:
+    from epp.scraping import parse_vllm_metrics
+
+    b = servers["b"]
+
+    def scrape() -> EndpointMetrics:
+        return parse_vllm_metrics(http_text(f"{b.spec.url}/metrics"))
+
+    idle = scrape()
+    assert (idle.block_size, idle.num_gpu_blocks) == (BLOCK_SIZE, b.spec.num_blocks)
+    assert (idle.waiting_requests, idle.running_requests, idle.kv_cache_usage) == (0, 0, 0.0)
+    with ThreadPoolExecutor(1) as pool:
+        # About 2 s of decoding on the tiny model: long enough to be seen running.
+        running = pool.submit(b.completion, text(50, 90), 300, ignore_eos=True)
+
+        def busy() -> EndpointMetrics | None:
+            metrics = scrape()
+            return metrics if metrics.running_requests == 1 else None
+
+        metrics = wait_for(busy, "vllm:num_requests_running to show the request")
+        assert running.result()["usage"]["completion_tokens"] == 300
+    assert 0.0 < metrics.kv_cache_usage < 1.0
+    assert metrics.waiting_requests == 0
 
 
 @pytest.mark.xfail(
