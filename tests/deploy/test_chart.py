@@ -528,6 +528,7 @@ def test_envoy_reaches_every_epp_replica_through_a_headless_service(
     assert cluster["type"] == "STRICT_DNS"
     envoy = r.get("Deployment", f"{FULLNAME}-envoy")
     (container,) = envoy["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["/usr/local/bin/envoy"]
     assert container["args"][:2] == ["--config-path", "/etc/envoy/envoy.yaml"]
     volume = envoy["spec"]["template"]["spec"]["volumes"][0]
     assert volume["configMap"]["name"] == f"{FULLNAME}-envoy"
