@@ -85,25 +85,34 @@ IGNORED_PLUGIN_TYPES: Final[Mapping[str, str]] = {
 does natively: declaring them is accepted (with a warning) so that config loads unchanged."""
 
 DEFAULT_CONFIG_YAML: Final = """\
-# The Inference Extension's default (GIE and llm-d Helm charts, llm-d router loader defaults):
-# approximate prefix affinity balanced against queue length and KV-cache utilization.
+# kv-epp's default: route each request where its prefill finishes first.
+# precise-prefix-cache-scorer is a data producer here (not weighted in the profile): it tokenizes
+# and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
+# events, plus predicted entries for requests routed in the last 2 s whose events have not
+# arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
+# 4 x uncached prompt tokens + prefill already queued there + 200 per request in flight
+# (+ up to 8192 when the pod's KV cache is over 90 % full); max-score-picker takes the cheapest.
+# Without a tokenizer for text prompts, or without KV events, this is least-work routing.
+# Benchmarks and tuning: docs/routing-results.md (python -m benchmarks.routing).
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
+- type: precise-prefix-cache-scorer
+  parameters:
+    speculativeIndexing: true
+    speculativeTTL: 2s
+- type: prefill-cost-scorer
+  parameters:
+    uncachedTokenWeight: 4
+    inFlightRequestTokens: 200
+    kvPressureThreshold: 0.9
+    kvPressureTokens: 8192
 - type: max-score-picker
 - type: single-profile-handler
 schedulingProfiles:
 - name: default
   plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
+  - pluginRef: prefill-cost-scorer
   - pluginRef: max-score-picker
 """
 """Used when no config file is given."""

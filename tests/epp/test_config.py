@@ -11,7 +11,6 @@ import pytest
 from pydantic import BaseModel
 
 from epp.config import (
-    DEFAULT_CONFIG_YAML,
     ConfigError,
     EndpointPickerConfig,
     PluginSpec,
@@ -25,6 +24,8 @@ from epp.scheduler import Scheduler
 from scorers.base import Plugin, PluginContext, register
 from scorers.load import QueueScorer
 from scorers.pickers import MaxScorePicker
+from scorers.precise_prefix import PrecisePrefixCacheScorer
+from scorers.prefill_cost import PrefillCostScorer
 from scorers.prefix_approx import PrefixCacheScorer
 from scorers.profiles import SingleProfileHandler
 from tests.scorers.plugin_helpers import context, endpoint, request
@@ -57,25 +58,24 @@ def types(config: EndpointPickerConfig) -> dict[str, str]:
 # Loading and defaults
 
 
-def test_no_file_gives_the_inference_extension_default() -> None:
+def test_no_file_gives_the_prefill_cost_default() -> None:
+    """The default: the precise scorer as a data producer with predicted entries, and the
+    prefill-cost scorer alone in the profile (docs/routing-results.md)."""
     config = load_config()
-    assert layout(config) == {
-        "default": [
-            ("queue-scorer", 2.0),
-            ("kv-cache-utilization-scorer", 2.0),
-            ("prefix-cache-scorer", 3.0),
-            ("max-score-picker", 1.0),
-        ]
-    }
+    assert layout(config) == {"default": [("prefill-cost-scorer", 1.0), ("max-score-picker", 1.0)]}
     assert types(config)["single-profile-handler"] == "single-profile-handler"
-    assert "precise-prefix-cache-scorer" not in DEFAULT_CONFIG_YAML
+    assert types(config)["precise-prefix-cache-scorer"] == "precise-prefix-cache-scorer"
     scheduler = build_scheduler(config, context())
     assert isinstance(scheduler, Scheduler)
     assert scheduler.profile_names == ("default",)
     assert isinstance(scheduler.profile_handler, SingleProfileHandler)
     profile = scheduler.profiles["default"]
-    assert [w.weight for w in profile.scorers] == [2.0, 2.0, 3.0]
+    assert [type(w.scorer) for w in profile.scorers] == [PrefillCostScorer]
     assert isinstance(profile.picker, MaxScorePicker)
+    precise = scheduler.plugin("precise-prefix-cache-scorer")
+    assert isinstance(precise, PrecisePrefixCacheScorer)
+    assert precise.p.speculativeIndexing and precise.p.speculativeTTL == 2.0
+    assert precise in scheduler.data_producers and precise in scheduler.pre_request_plugins
 
 
 @pytest.mark.parametrize(
@@ -211,7 +211,15 @@ def test_inference_extension_helm_default_loads_unchanged(
                 weight: 3
             """
         )
-    assert config.model_dump() == load_config().model_dump()
+    assert layout(config) == {
+        "default": [
+            ("queue-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 2.0),
+            ("prefix-cache-scorer", 3.0),
+            ("max-score-picker", 1.0),
+        ]
+    }
+    assert types(config)["single-profile-handler"] == "single-profile-handler"
     assert "metrics-data-source" in caplog.text and "core-metrics-extractor" in caplog.text
 
 
@@ -270,8 +278,9 @@ def test_tolerated_top_level_keys_are_ignored_with_a_warning(
 
 
 async def test_built_scheduler_schedules() -> None:
+    """Without a tokenizer the default degrades to least work: the fewest requests in flight."""
     scheduler = build_scheduler(load_config(), context())
-    eps = [endpoint("a:1", waiting=3), endpoint("b:1", waiting=0), endpoint("c:1", waiting=1)]
+    eps = [endpoint("a:1", in_flight=3), endpoint("b:1", in_flight=0), endpoint("c:1", in_flight=1)]
     result = await scheduler.schedule(request(prompt="hello " * 40), eps)
     assert [e.address for e in result.targets] == ["b:1"]
 
