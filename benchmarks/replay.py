@@ -33,12 +33,14 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from benchmarks.workloads import Workload
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director, TrackedDecision
 from indexer.events import KVEventBatch
+from indexer.subscriber import KVEventSink
 from scorers.base import EndpointMetrics, LLMRequest, PluginContext, Usage
 from simulator.engine import Engine, EngineConfig, RequestOutput
 from simulator.profiles import LLAMA3_8B_H100, Profile
@@ -198,7 +200,11 @@ class Replay:
         self.datastore.add_listener(self.scheduler)
         self.director = Director(self.datastore, self.scheduler)
         # Plugins that consume KV events (`indexer.subscriber.KVEventSink`).
-        self.sinks = [p for p in self.scheduler.plugins if callable(getattr(p, "apply", None))]
+        self.sinks: list[KVEventSink] = [
+            cast(KVEventSink, p)
+            for p in self.scheduler.plugins
+            if callable(getattr(p, "apply", None))
+        ]
         self.addresses = fleet.addresses()
         config = fleet.engine_config(emit_events=bool(self.sinks))
         self.engines = [Engine(config, fleet.profile) for _ in self.addresses]
@@ -334,10 +340,11 @@ class Replay:
             )
         # Drain: run to the end, tick by tick only as far as outputs need ordering.
         while True:
-            pending = [t for e in engines if (t := e.next_event_time()) is not None]
-            if not pending:
+            pending = [e.next_event_time() for e in engines]
+            due = [when for when in pending if when is not None]
+            if not due:
                 break
-            self._run_engines(max(pending))
+            self._run_engines(max(due))
         metrics = [engine.metrics() for engine in engines]
         return ReplayResult(
             policy=self.policy,

@@ -26,6 +26,7 @@ from scorers.request_data import (
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
 )
+from tests.scorers.plugin_helpers import result_for
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -240,3 +241,92 @@ def test_bad_parameters_name_the_field(params: dict[str, Any], field: str) -> No
 def test_xxhash_without_seed_fails_at_startup() -> None:
     with pytest.raises(Exception, match="PYTHONHASHSEED"):
         _plugin({"hashAlgo": "xxhash"})
+
+
+# ------------------------------------------------------------------------------------------
+# Predicted (speculative) entries
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _speculative(ttl: object = "2s") -> tuple[PrecisePrefixCacheScorer, _Clock, list[Endpoint]]:
+    clock = _Clock()
+    eps = _endpoints()
+    context = PluginContext(endpoints=_Endpoints(eps), clock=clock, rng=random.Random(0))
+    params = {"blockSize": 4, "speculativeIndexing": True, "speculativeTTL": ttl}
+    plugin = create_plugin("precise-prefix-cache-scorer", "precise", params, context)
+    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    return plugin, clock, eps
+
+
+def _route(
+    plugin: PrecisePrefixCacheScorer, tokens: list[int], eps: list[Endpoint], request_id: str
+) -> str:
+    """One decision as the scheduler makes it: prepare, argmax of the score, PreRequest."""
+    request = LLMRequest(request_id=request_id, model="m", prompt=tokens)
+    asyncio.run(plugin.prepare(request, eps))
+    scores = plugin.score(request, eps)
+    top = max(scores.values())
+    chosen = next(e for e in eps if scores[e.address] == top and (top > 0 or e.address == C))
+    plugin.pre_request(request, result_for(chosen))
+    return chosen.address
+
+
+def test_a_burst_of_one_new_prefix_lands_on_one_pod_before_any_event() -> None:
+    plugin, _, eps = _speculative()
+    system = list(range(1000, 1040))
+    # The first request is cold everywhere and goes to C; the next ones, still before any KV
+    # event, find C's predicted blocks.
+    chosen = {_route(plugin, [*system, i, i + 1, i + 2, i + 3], eps, f"r{i}") for i in range(20)}
+    assert chosen == {C}
+    request = LLMRequest(request_id="x", model="m", prompt=system + [7] * 4)
+    asyncio.run(plugin.prepare(request, eps))
+    assert request.data[PREFIX_MATCHED_TOKENS] == {C: 40}
+    assert plugin.index is not None and plugin.index.entries == 0  # predictions only
+
+
+def test_predictions_expire_after_the_ttl() -> None:
+    plugin, clock, eps = _speculative(ttl=0.5)
+    tokens = list(range(16))
+    _route(plugin, tokens, eps, "r1")
+    clock.now += 0.4
+    assert _score(plugin, LLMRequest(request_id="r2", model="m", prompt=tokens), eps)[C] == 1.0
+    clock.now += 0.2
+    assert _score(plugin, LLMRequest(request_id="r3", model="m", prompt=tokens), eps)[C] == 0.0
+    assert not plugin.predictions
+
+
+def test_real_and_predicted_blocks_join_and_events_supersede_predictions() -> None:
+    plugin, _, eps = _speculative()
+    tokens = list(range(32))  # 8 blocks of 4
+    plugin.apply(A, _stored(tokens[:8], block_size=4))  # A really holds blocks 0-1
+    plugin.predictions.add(A, block_hashes(tokens, block_size=4, algo="sha256")[2:5], 100.0)
+    request = LLMRequest(request_id="r", model="m", prompt=tokens)
+    asyncio.run(plugin.prepare(request, eps))
+    assert request.data[PREFIX_MATCHED_BLOCKS] == {A: 5}  # 2 real + 3 predicted
+    # A reports block 2 removed: its prediction goes, the run stops at block 2.
+    removed = BlockRemoved(block_hashes=(block_hashes(tokens, block_size=4, algo="sha256")[2],))
+    plugin.apply(A, KVEventBatch(ts=1.0, events=(removed,)))
+    request = LLMRequest(request_id="r2", model="m", prompt=tokens)
+    asyncio.run(plugin.prepare(request, eps))
+    assert request.data[PREFIX_MATCHED_BLOCKS] == {A: 2}
+
+
+def test_speculative_ttl_accepts_durations() -> None:
+    assert _speculative("500ms")[0].p.speculativeTTL == 0.5
+    assert _speculative(3)[0].p.speculativeTTL == 3.0
+    with pytest.raises(PluginConfigError, match="speculativeTTL"):
+        _speculative("soon")
+
+
+def test_without_speculative_indexing_nothing_is_predicted() -> None:
+    plugin = _plugin({"blockSize": 4})
+    eps = _endpoints()
+    _route(plugin, list(range(16)), eps, "r1")
+    assert not plugin.predictions
