@@ -58,6 +58,7 @@ function envoy_on_request(handle)
   end
 end
 """
+UPSTREAM_HOST_HEADER = "x-upstream-host"
 EXTPROC_CLUSTER = "ext_proc"
 EXTPROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # see epp.health
 ORIGINAL_DST_CLUSTER = "original_destination_cluster"
@@ -125,6 +126,7 @@ def render_envoy_config(
     extproc_sni: str | None = None,
     extproc_endpoints: Sequence[tuple[str, int]] = (),
     extproc_health_check_interval_s: float | None = None,
+    expose_upstream_host: bool = False,
 ) -> str:
     """Render an Envoy bootstrap (YAML) that routes every request through the EPP.
 
@@ -147,6 +149,8 @@ def render_envoy_config(
     ``extproc_port`` alone (IP addresses; a DNS name goes through ``extproc_host``).
     ``extproc_health_check_interval_s``: gRPC health checks of the replicas (one failure marks
     a replica unhealthy, one success healthy again).
+    ``expose_upstream_host``: add ``x-upstream-host: <ip:port>`` to responses, the pod that
+    served (tests and demos; it tells clients internal addresses).
     """
     if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(
@@ -205,6 +209,20 @@ def render_envoy_config(
                                                     "timeout": _seconds(route_timeout_s),
                                                     "idle_timeout": _seconds(route_timeout_s),
                                                 },
+                                                **(
+                                                    {
+                                                        "response_headers_to_add": [
+                                                            {
+                                                                "header": {
+                                                                    "key": UPSTREAM_HOST_HEADER,
+                                                                    "value": "%UPSTREAM_HOST%",
+                                                                }
+                                                            }
+                                                        ]
+                                                    }
+                                                    if expose_upstream_host
+                                                    else {}
+                                                ),
                                             }
                                         ],
                                     }

@@ -25,6 +25,13 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
   fetches the pod's buffer from seq 0, so blocks cached before the EPP connected are known too.
   This also covers PUB/SUB's slow joiner: messages published before the subscription reached the
   pod are lost (§4.5).
+* Reconnection (per-endpoint SUBs): when a SUB connects again after losing its pod (the pod was
+  killed and started again, or the network dropped), the batches published meanwhile were lost
+  and the pod may be a new process whose seq restarted below what was seen: its next batch may
+  come much later, or show as a plain gap.  So each reconnection fetches the pod's buffer from
+  seq 0 at once (``resync``): a buffer that ends below the last seq seen live means the pod
+  restarted (its blocks are dropped, then the buffer applied); otherwise whatever is new in it
+  fills the hole.  Without a replay URL nothing can be told until the next batch arrives.
 
 Malformed frames and undecodable payloads are counted and dropped; nothing a pod sends stops the
 receive loops.  The sink (the KV index) never sees a socket: it gets decoded `KVEventBatch` values.
@@ -44,6 +51,7 @@ the stream continues from the live seq.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -54,6 +62,7 @@ from typing import Any, Final, Protocol, Self
 
 import zmq
 import zmq.asyncio
+from zmq.utils import monitor as zmq_monitor
 
 from indexer.errors import EventDecodeError, IndexerError
 from indexer.events import KVEventBatch, decode_batch
@@ -177,6 +186,7 @@ class FeedStats:
     replays_failed: int = 0  # timed out or failed on the socket
     replays_rate_limited: int = 0  # gaps or first contacts not replayed (replay budget spent)
     restarts_detected: int = 0
+    resyncs: int = 0  # buffer fetches after a reconnection (see the module docstring)
     sink_errors: int = 0  # the sink raised; the batch is lost to it
     held_messages_dropped: int = 0  # see SubscriberConfig.max_held_messages
     # time.monotonic() of the last live message; None until one arrives.  For the caller's
@@ -508,6 +518,83 @@ class _EndpointFeed:
             self._last_live = seq
             self._apply(seq, payload)
 
+    # Resync after a reconnection ---------------------------------------------------------------
+
+    def reconnected(self) -> None:
+        """The SUB connected to the pod again: fetch its buffer to see what was missed."""
+        if self._closed or self._dealer is None or self._replay_task is not None:
+            return
+        if self._expected is None:
+            return  # nothing seen yet: the first message does a first-contact replay anyway
+        if not self._take_replay_token():
+            return
+        self.stats.replays_requested += 1
+        self.stats.resyncs += 1
+        self._replay_task = self._spawn(self._resync(), f"kv-events-resync:{self.endpoint}")
+
+    async def _resync(self) -> None:
+        try:
+            buffered = await self._fetch_buffer()
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self.stats.replays_failed += 1
+            log.warning(
+                "KV events from %s: resync after reconnecting failed (%s)",
+                self.endpoint,
+                "no reply in time" if isinstance(exc, TimeoutError) else exc,
+            )
+            self._reset_dealer()
+            buffered = []
+        except Exception:
+            self.stats.replays_failed += 1
+            log.exception("KV events from %s: resync failed unexpectedly", self.endpoint)
+            self._reset_dealer()
+            buffered = []
+        if buffered:
+            top = buffered[-1][0]
+            if self._last_live is not None and top < self._last_live:
+                self.stats.restarts_detected += 1
+                log.warning(
+                    "KV events from %s: after reconnecting, the pod's events end at seq %d, "
+                    "below the %d seen before; the pod restarted, dropping what the index held "
+                    "for it",
+                    self.endpoint,
+                    top,
+                    self._last_live,
+                )
+                self._clear()
+                self._expected = buffered[0][0]
+                self._last_live = None
+            for seq, payload in buffered:
+                assert self._expected is not None
+                if seq < self._expected:
+                    continue
+                self._apply(seq, payload)
+                self.stats.batches_replayed += 1
+        self._replay_task = None
+        held, self._held = self._held, []
+        for seq, payload in held:
+            self._handle_live(seq, payload)
+
+    async def _fetch_buffer(self) -> list[tuple[int, bytes]]:
+        """The pod's whole replay buffer, in seq order."""
+        dealer = self._dealer
+        assert dealer is not None
+        timeout = self._config.replay_timeout_s
+        out: list[tuple[int, bytes]] = []
+        async with asyncio.timeout(timeout):
+            await dealer.send_multipart([b"", (0).to_bytes(_SEQ_BYTES, "big")])
+        while True:
+            async with asyncio.timeout(timeout):
+                frames = _as_bytes(await dealer.recv_multipart())
+            reply = _parse_replay_reply(frames)
+            if reply is None:
+                self.stats.malformed_frames += 1
+                continue
+            if reply[0] == END_OF_REPLAY:
+                out.sort(key=lambda item: item[0])
+                return out
+            out.append(reply)
+
     # Replay -----------------------------------------------------------------------------------
 
     def _start_replay(self, from_seq: int, seq: int, payload: bytes, *, gap: bool) -> None:
@@ -804,7 +891,9 @@ class SubscriberPool(_Subscriber):
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         super().__init__(sink, config, context)
-        self._subs: dict[str, tuple[str, zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._subs: dict[
+            str, tuple[str, zmq.asyncio.Socket, asyncio.Task[None], zmq.asyncio.Socket]
+        ] = {}
 
     def add_endpoint(self, endpoint: str, pub_url: str, replay_url: str | None = None) -> None:
         """Subscribe to ``endpoint``'s events at ``pub_url`` (e.g. ``tcp://10.0.0.7:5557``), with
@@ -817,29 +906,52 @@ class SubscriberPool(_Subscriber):
                 return
             self.remove_endpoint(endpoint)
         sub = _open_sub(self._context, self._config)
+        # Watch connections before connecting, so the first one is never missed.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         try:
             sub.connect(pub_url)
             feed = self._new_feed(endpoint, replay_url)
         except zmq.ZMQError as exc:
+            monitor.close(linger=0)
             sub.close(linger=0)
             raise SubscriberConfigError(
                 f"endpoint {endpoint!r}: cannot connect to pub_url {pub_url!r} ({exc}); expected "
                 "the pod's KV-events endpoint as tcp://<pod-ip>:<port>, e.g. tcp://10.0.0.7:5557"
             ) from exc
         except SubscriberConfigError:
+            monitor.close(linger=0)
             sub.close(linger=0)
             raise
         self._feeds[endpoint] = feed
         task = self._spawn(
             self._receive_loop(sub, feed.on_message, endpoint), f"kv-events-sub:{endpoint}"
         )
-        self._subs[endpoint] = (pub_url, sub, task)
+        self._spawn(self._watch_connections(monitor, feed), f"kv-events-monitor:{endpoint}")
+        self._subs[endpoint] = (pub_url, sub, task, monitor)
+
+    async def _watch_connections(self, monitor: zmq.asyncio.Socket, feed: _EndpointFeed) -> None:
+        """Tell the feed about every connection after the first (see ``resync``)."""
+        connections = 0
+        try:
+            while True:
+                frames = await monitor.recv_multipart()
+                event = zmq_monitor.parse_monitor_message(frames)
+                if event["event"] != zmq.EVENT_CONNECTED:
+                    continue
+                connections += 1
+                if connections > 1:
+                    feed.reconnected()
+        except zmq.ZMQError:
+            return  # the monitor was closed with its socket
 
     def remove_endpoint(self, endpoint: str) -> bool:
         entry = self._subs.pop(endpoint, None)
         if entry is not None:
-            _, sub, task = entry
+            _, sub, task, monitor = entry
             task.cancel()
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
         return super().remove_endpoint(endpoint)
 

@@ -123,3 +123,55 @@ async def test_an_enormous_batch_is_dropped_unread_and_the_stream_goes_on(
         assert (stats.oversized_batches, stats.gaps_detected) == (1, 0)
     finally:
         await pool.close()
+
+
+async def test_a_pod_restarted_while_unheard_is_noticed_on_reconnection(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """The new process published a few batches before the SUB reconnected (lost: PUB/SUB has
+    no backlog) and then goes quiet: without the reconnection resync, its old blocks would stay
+    in the index until its next batch, however long that takes."""
+    pool = SubscriberPool(sink, SubscriberConfig(reconnect_ivl_ms=20, reconnect_ivl_max_ms=50))
+    try:
+        pod = await new_pod()
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await publish_until_delivered(pod, sink, "pod-a")
+        await publish_and_wait(pod, sink, "pod-a", 30)
+        await pod.close()
+        reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
+        reborn.generation = 1
+        for _ in range(3):
+            await reborn.publish(live=False)  # published before anyone listened
+        await wait_until(lambda: ("clear", "pod-a", None) in sink.calls, "restart noticed")
+        await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "resynced")
+        stats = pool.endpoint_stats("pod-a")
+        assert stats is not None
+        assert (stats.resyncs, stats.restarts_detected) == (1, 1)
+        # Live batches continue after the resync, once each.
+        last = await publish_and_wait(reborn, sink, "pod-a", 3)
+        assert sink.applied("pod-a", generation=1) == list(range(last + 1))
+    finally:
+        await pool.close()
+
+
+async def test_a_network_blip_is_filled_on_reconnection(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    pool = SubscriberPool(sink, SubscriberConfig(reconnect_ivl_ms=20, reconnect_ivl_max_ms=50))
+    try:
+        pod = await new_pod()
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await publish_until_delivered(pod, sink, "pod-a")
+        last = await publish_and_wait(pod, sink, "pod-a", 5)
+        # Same process, the connection drops: what it published meanwhile is only in its buffer.
+        buffer = list(pod.buffer)
+        await pod.close()
+        same = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
+        same.seq, same.buffer = pod.seq, type(pod.buffer)(buffer, maxlen=pod.buffer.maxlen)
+        missed = [await same.publish(live=False) for _ in range(4)]
+        await wait_until(lambda: sink.applied("pod-a")[-1:] == missed[-1:], "hole filled")
+        assert sink.applied("pod-a") == list(range(missed[-1] + 1))
+        assert ("clear", "pod-a", None) not in sink.calls
+        assert last < missed[0]
+    finally:
+        await pool.close()

@@ -1,0 +1,313 @@
+"""Pod faults with real processes: Envoy → ``epp serve`` → three simulated vLLM pods.
+
+Each test breaks one thing while traffic flows, then checks the eventual behaviour with generous
+timeouts (never tight timings): routing continues to the pods that can serve, nothing is routed
+to a broken pod once the EPP has noticed, and the EPP's KV index converges back to what the pods
+really hold.  Detection and recovery times are measured and printed (``pytest -s``, or
+``EPP_RELIABILITY_REPORT=file``); ``docs/reliability.md`` collects them.
+
+Pod 0's ``/metrics`` goes through a proxy the test controls; pod 2's replay URL points at a
+ROUTER that never answers.  Tests run in file order and leave the fleet healthy for the next.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.stack import (
+    Stack,
+    Traffic,
+    failures,
+    metric,
+    report,
+    scrape,
+    true_entries,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("pod-faults")
+    fleet = Stack.start(work, llama3_tokenizer_dir, pods=3, metrics_proxies=[0], silent_replay=[2])
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _epp(stack: Stack) -> str:
+    return scrape(stack.replicas[0].metrics_url)
+
+
+def _unreachable(stack: Stack) -> float:
+    return metric(_epp(stack), "inference_extension_unreachable_endpoints")
+
+
+def _epp_entries(stack: Stack, pod: int) -> float:
+    return metric(
+        _epp(stack),
+        "inference_extension_kv_index_endpoint_entries",
+        endpoint=stack.pods[pod].address,
+    )
+
+
+def _fault(stack: Stack, pod: int, path: str, body: dict[str, object] | None = None) -> object:
+    request = urllib.request.Request(
+        f"http://{stack.pods[pod].address}{path}",
+        data=json.dumps(body or {}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _converged(stack: Stack, pod: int) -> bool:
+    return _epp_entries(stack, pod) == true_entries(stack.pods[pod])
+
+
+def _served_by(outcomes: list, address: str, after: float) -> list:  # type: ignore[type-arg]
+    return [o for o in outcomes if o.upstream == address and o.sent_at > after]
+
+
+def test_warm_up_the_fleet_serves_and_the_index_matches_the_pods(stack: Stack) -> None:
+    with Traffic(stack.gateway, rate=30, max_seconds=20) as traffic:
+        time.sleep(3)
+    outcomes = traffic.outcomes
+    assert outcomes and not failures(outcomes), failures(outcomes)[:5]
+    assert len({o.upstream for o in outcomes}) >= 2  # prefix affinity may favour some pods
+    for i in range(3):
+        wait_for(lambda i=i: _converged(stack, i), f"pod {i} index converged", timeout=15)
+
+
+def test_a_killed_pod_is_left_out_then_taken_back(stack: Stack) -> None:
+    victim = stack.pods[1]
+    with Traffic(stack.gateway, rate=30, max_seconds=60) as traffic:
+        time.sleep(1)
+        killed_at = time.monotonic()
+        stack.kill_pod(1)
+        detection = wait_for(lambda: _unreachable(stack) >= 1, "the killed pod marked unreachable")
+        time.sleep(2)
+        restarted_at = time.monotonic()
+        stack.start_pod(1)
+        recovery = wait_for(lambda: _unreachable(stack) == 0, "the pod reachable again")
+        back = wait_for(
+            lambda: bool(_served_by(traffic.outcomes, victim.address, restarted_at)),
+            "a request served by the restarted pod",
+        )
+        time.sleep(1)
+    outcomes = traffic.outcomes
+    lost = [o for o in failures(outcomes) if o.sent_at >= killed_at - 1]
+    # Lost: requests in flight on the pod when it died, and those routed there before the EPP
+    # noticed.  Nothing sent after detection (plus one scrape of slack) may fail.
+    late = [o for o in lost if o.sent_at > killed_at + detection + 0.3]
+    assert not late, late[:5]
+    assert not [
+        o
+        for o in _served_by(outcomes, victim.address, killed_at + detection + 0.3)
+        if o.sent_at < restarted_at
+    ]
+    report(
+        "pod killed (SIGKILL)",
+        detection_s=detection,
+        lost_requests=len(lost),
+        sent=len([o for o in outcomes if killed_at <= o.sent_at <= killed_at + detection]),
+        recovery_after_restart_s=recovery,
+        first_request_served_s=back,
+    )
+    converged = wait_for(lambda: _converged(stack, 1), "restarted pod's index converged", 20)
+    report("pod killed: index converged after restart", seconds=converged)
+
+
+def test_a_hung_pod_is_left_out_then_taken_back(stack: Stack) -> None:
+    victim = stack.pods[1]
+    with Traffic(stack.gateway, rate=30, max_seconds=60) as traffic:
+        time.sleep(1)
+        hung_at = time.monotonic()
+        stack.hang_pod(1)
+        try:
+            detection = wait_for(lambda: _unreachable(stack) >= 1, "the hung pod unreachable")
+            time.sleep(2)
+        finally:
+            resumed_at = time.monotonic()
+            stack.hang_pod(1, hung=False)
+        recovery = wait_for(lambda: _unreachable(stack) == 0, "the pod reachable again")
+        time.sleep(1)
+    outcomes = traffic.outcomes
+    routed_while_hung = [
+        o
+        for o in _served_by(outcomes, victim.address, hung_at + detection + 0.3)
+        if o.sent_at < resumed_at
+    ]
+    assert not routed_while_hung, routed_while_hung[:5]
+    stuck = [
+        o
+        for o in outcomes
+        if hung_at <= o.sent_at <= hung_at + detection and o.upstream == victim.address
+    ]
+    assert not failures(o for o in outcomes if o.sent_at > hung_at + detection + 0.3)
+    report(
+        "pod hung (SIGSTOP)",
+        detection_s=detection,
+        requests_stalled_until_resume=len(stuck),
+        recovery_after_resume_s=recovery,
+    )
+
+
+def test_a_pod_restarted_in_place_is_dropped_from_the_index_and_reindexed(stack: Stack) -> None:
+    wait_for(lambda: _epp_entries(stack, 1) > 0, "pod 1 holds blocks in the index")
+    before = _epp_entries(stack, 1)
+    _fault(stack, 1, "/fault/restart")
+    restarted_at = time.monotonic()
+    with Traffic(stack.gateway, rate=20, max_seconds=30) as traffic:
+        converged = wait_for(
+            lambda: _epp_entries(stack, 1) < before and _converged(stack, 1),
+            "the index forgot the old cache and follows the new one",
+        )
+        time.sleep(0.5)
+    assert not failures(o for o in traffic.outcomes if o.sent_at > restarted_at + 1)
+    restarts = metric(_epp(stack), "inference_extension_kv_events_restarts_detected")
+    assert restarts >= 1
+    report("pod restarted in place (seq back to 0)", index_converged_s=converged)
+    wait_for(lambda: _converged(stack, 1), "converged at rest", 15)
+
+
+def test_lost_batches_are_replayed_and_the_index_stays_exact(stack: Stack) -> None:
+    before = _epp(stack)
+    recovered_before = metric(before, "inference_extension_kv_events_gaps_recovered")
+    unrecovered_before = metric(before, "inference_extension_kv_events_gaps_unrecovered")
+    lossy = (0, 1)
+    for i in lossy:
+        _fault(stack, i, "/fault/config", {"drop_batch_prob": 0.1})
+    try:
+        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+            time.sleep(4)
+    finally:
+        for i in lossy:
+            _fault(stack, i, "/fault/config", {"drop_batch_prob": 0.0})
+    assert not failures(traffic.outcomes)
+    # A gap shows when the next batch arrives: a little more traffic reveals the last ones.
+    with Traffic(stack.gateway, rate=25, max_seconds=30):
+        seconds = wait_for(
+            lambda: all(_converged(stack, i) for i in lossy), "index exact despite lost batches"
+        )
+    after = _epp(stack)
+    recovered = metric(after, "inference_extension_kv_events_gaps_recovered")
+    assert recovered > recovered_before
+    report(
+        "lost event batches (10 % dropped on PUB)",
+        gaps_recovered=recovered - recovered_before,
+        gaps_unrecovered=metric(after, "inference_extension_kv_events_gaps_unrecovered")
+        - unrecovered_before,
+        exact_after_traffic_s=seconds,
+    )
+
+
+def test_a_pod_that_stops_publishing_is_caught_up_when_it_resumes(stack: Stack) -> None:
+    silent = (0, 1)
+    for i in silent:
+        status = _fault(stack, i, "/fault/config", {})
+        assert isinstance(status, dict)
+        next_seq = status["publisher"]["next_seq"]
+        _fault(stack, i, "/fault/config", {"stop_publishing_after": next_seq})
+    try:
+        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+            time.sleep(3)
+        stale = sum(true_entries(stack.pods[i]) - _epp_entries(stack, i) for i in silent)
+    finally:
+        for i in silent:
+            _fault(stack, i, "/fault/config", {"resume_publishing": True})
+    assert not failures(traffic.outcomes)
+    resumed_at = time.monotonic()
+    # The next batch each publishes reveals the gap; the replay fills it.
+    with Traffic(stack.gateway, rate=25, max_seconds=30):
+        converged = wait_for(
+            lambda: all(_converged(stack, i) for i in silent), "caught up by replay", 20
+        )
+    report(
+        "pods stopped publishing, then resumed",
+        stale_entries_while_silent=float(stale),
+        caught_up_after_resume_s=time.monotonic() - resumed_at,
+        converged_s=converged,
+    )
+
+
+def test_a_replay_socket_that_never_answers_costs_accuracy_not_availability(
+    stack: Stack,
+) -> None:
+    failed_before = metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered")
+    _fault(stack, 2, "/fault/config", {"drop_batch_prob": 0.5})
+    try:
+        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+            time.sleep(4)
+    finally:
+        _fault(stack, 2, "/fault/config", {"drop_batch_prob": 0.0})
+    assert not failures(traffic.outcomes)
+    unrecovered = wait_for(
+        lambda: (
+            metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered") > failed_before
+        ),
+        "gaps given up after the replay timeout",
+    )
+    report(
+        "replay socket never answers (50 % batches lost)",
+        gaps_unrecovered=metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered")
+        - failed_before,
+        noticed_s=unrecovered,
+        failed_requests=len(failures(traffic.outcomes)),
+    )
+
+
+def test_a_metrics_page_of_garbage_leaves_the_pod_routable(stack: Stack) -> None:
+    proxy = stack.pods[0].metrics_proxy
+    assert proxy is not None
+    proxy.mode = "garbage"
+    try:
+        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+            time.sleep(3)
+            assert _unreachable(stack) == 0
+    finally:
+        proxy.mode = "pass"
+    assert not failures(traffic.outcomes)
+    report(
+        "metrics page returns garbage",
+        unreachable=0.0,
+        requests_to_that_pod=len(
+            [o for o in traffic.outcomes if o.upstream == stack.pods[0].address]
+        ),
+        requests=len(traffic.outcomes),
+    )
+
+
+def test_a_metrics_page_that_never_answers_takes_the_pod_out_until_it_does(
+    stack: Stack,
+) -> None:
+    proxy = stack.pods[0].metrics_proxy
+    assert proxy is not None
+    with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+        time.sleep(0.5)
+        proxy.mode = "hang"
+        try:
+            detection = wait_for(lambda: _unreachable(stack) >= 1, "left out")
+            left_out_at = time.monotonic()
+            time.sleep(2)
+        finally:
+            proxy.mode = "pass"
+        recovery = wait_for(lambda: _unreachable(stack) == 0, "back")
+        time.sleep(0.5)
+    assert not failures(traffic.outcomes)
+    assert not [
+        o
+        for o in _served_by(traffic.outcomes, stack.pods[0].address, left_out_at + 0.3)
+        if o.sent_at < left_out_at + 2
+    ]
+    report("metrics page times out", detection_s=detection, recovery_s=recovery)
