@@ -36,6 +36,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from epp.config import DEFAULT_CONFIG_YAML
 from epp.envoy_bootstrap import EnvoyProcess, render_envoy_config, start_envoy
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 
@@ -190,22 +191,13 @@ def _wait_grpc_ready(
 
 
 def default_config(tokenizer_dir: Path) -> str:
-    return f"""\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters:
-    tokenizer: "{tokenizer_dir}"
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 3}}
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-"""
+    """The EPP's built-in default profile, with the tokenizer the pods use (the one thing a
+    deployment must add to it)."""
+    config = yaml.safe_load(DEFAULT_CONFIG_YAML)
+    for plugin in config["plugins"]:
+        if plugin["type"] == "precise-prefix-cache-scorer":
+            plugin.setdefault("parameters", {})["tokenizer"] = str(tokenizer_dir)
+    return str(yaml.safe_dump(config, sort_keys=False))
 
 
 ROUND_ROBIN_CONFIG = """\
