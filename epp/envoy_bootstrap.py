@@ -320,6 +320,9 @@ def render_envoy_config(
             {
                 "timeout": _seconds(max(0.1, min(2.0, extproc_health_check_interval_s))),
                 "interval": _seconds(extproc_health_check_interval_s),
+                # Envoy checks a cluster that never had traffic only every 60 s by default.
+                "no_traffic_interval": _seconds(extproc_health_check_interval_s),
+                "no_traffic_healthy_interval": _seconds(extproc_health_check_interval_s),
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
                 "reuse_connection": True,
