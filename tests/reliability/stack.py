@@ -168,6 +168,7 @@ class Stack:
     envoy: EnvoyProcess | None = None
     silent_router: zmq.Socket[bytes] | None = None
     _zmq: zmq.Context[zmq.Socket[bytes]] | None = None
+    _extra_endpoints: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -184,8 +185,11 @@ class Stack:
         envoy_health_check_s: float | None = None,
         extproc_tls: bool = False,
         config: str | None = None,
+        extra_endpoints: Sequence[dict[str, Any]] = (),
     ) -> Stack:
+        """``extra_endpoints``: more entries for the EPP's endpoints file (a rogue publisher)."""
         stack = cls(work=work, tokenizer_dir=tokenizer_dir)
+        stack._extra_endpoints = list(extra_endpoints)
         try:
             stack._start(
                 pods=pods,
@@ -269,6 +273,7 @@ class Stack:
             if pod.metrics_proxy is not None:
                 entry["metricsUrl"] = pod.metrics_proxy.url
             endpoints.append(entry)
+        endpoints.extend(self._extra_endpoints)
         (self.work / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
         (self.work / "config.yaml").write_text(
             config or CONFIG.format(tokenizer=self.tokenizer_dir)
