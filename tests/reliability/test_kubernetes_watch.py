@@ -1,0 +1,252 @@
+"""The Kubernetes watch dropping under a running ``epp serve --pool-name``.
+
+A fake API server (``tests/support/fake_kube.py``, on its own loop in a thread) serves the
+InferencePool and two pods; the pods are simulated vLLM processes on 127.0.0.2 and 127.0.0.3
+(the same target port, as in a cluster), and the EPP finds them through the real ``kubernetes``
+client with a kubeconfig pointing at the fake.  While the watches are broken (closed, or the
+server answering 500 to everything for a while) a pod turns unready: routing goes on with the
+last known endpoints, and once the watch is back the EPP converges on the truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from epp.envoy_bootstrap import render_envoy_config, start_envoy
+from simulator.demo import Processes, _free_port, _spawn, _wait_grpc_ready, _wait_http
+from tests.reliability.stack import MODEL, Traffic, failures, metric, report, scrape, wait_for
+from tests.support.fake_kube import FakeKubeApiServer
+
+pytestmark = pytest.mark.slow
+
+LABELS = {"app": "vllm"}
+HOSTS = ("127.0.0.2", "127.0.0.3")
+T = TypeVar("T")
+
+
+class KubeThread:
+    """The fake API server on a loop of its own; `call` runs a function on that loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = FakeKubeApiServer()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="fake-kube", daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        async def run() -> T:
+            return fn(*args, **kwargs)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _port_free_on_all(hosts: tuple[str, ...]) -> int:
+    while True:
+        port = _free_port()
+        try:
+            for host in hosts:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+            return port
+        except OSError:
+            continue
+
+
+class Cluster:
+    def __init__(self, kube: KubeThread, procs: Processes, gateway: str, metrics: str) -> None:
+        self.kube = kube
+        self.procs = procs
+        self.gateway = gateway
+        self.metrics = metrics
+
+    def ready_pods(self) -> float:
+        return metric(scrape(self.metrics), "inference_pool_ready_pods")
+
+    def put_pod(self, i: int, ready: bool = True) -> None:
+        self.kube.call(
+            self.kube.server.put_pod, f"vllm-{i}", labels=LABELS, ip=HOSTS[i], ready=ready
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path
+) -> Iterator[Cluster]:
+    work = tmp_path_factory.mktemp("kube")
+    kube = KubeThread()
+    procs = Processes()
+    try:
+        http, pub, replay = (_port_free_on_all(HOSTS) for _ in range(3))
+        for i, host in enumerate(HOSTS):
+            log = work / f"pod-{i}.log"
+            procs.add(
+                f"pod-{i}",
+                _spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "simulator",
+                        "--host",
+                        host,
+                        "--port",
+                        str(http),
+                        "--model",
+                        MODEL,
+                        "--tokenizer",
+                        str(llama3_tokenizer_dir),
+                        "--speedup",
+                        "20",
+                        "--kv-events-port",
+                        str(pub),
+                        "--replay-port",
+                        str(replay),
+                        "--log-level",
+                        "warning",
+                    ],
+                    log,
+                ),
+            )
+            asyncio.run(_wait_http(f"http://{host}:{http}/health", procs.procs[-1][1], log))
+        kube.call(kube.server.put_pool, "pool", match_labels=LABELS, ports=[http])
+        kubeconfig = work / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": kube.server.url}}],
+                    "users": [{"name": "nobody", "user": {}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "nobody"}}
+                    ],
+                    "current-context": "fake",
+                }
+            )
+        )
+        cluster = Cluster(kube, procs, "", "")
+        for i in range(2):
+            cluster.put_pod(i)
+        grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+        epp_log = work / "epp.log"
+        previous = os.environ.get("KUBECONFIG")
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        try:
+            epp = _spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "epp.cli",
+                    "--log-level",
+                    "warning",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--grpc-health-port",
+                    str(health_port),
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--pool-name",
+                    "pool",
+                    "--pool-namespace",
+                    "default",
+                    "--kv-events-port",
+                    str(pub),
+                    "--kv-events-replay-port",
+                    str(replay),
+                    "--drain-timeout",
+                    "1s",
+                ],
+                epp_log,
+            )
+        finally:
+            if previous is None:
+                os.environ.pop("KUBECONFIG", None)
+            else:
+                os.environ["KUBECONFIG"] = previous
+        procs.add("epp", epp)
+        _wait_grpc_ready(health_port, epp, epp_log)
+        listen, admin = _free_port(), _free_port()
+        procs.envoy = start_envoy(
+            render_envoy_config(
+                listen_port=listen,
+                extproc_port=grpc_port,
+                admin_port=admin,
+                listen_host="127.0.0.1",
+                admin_host="127.0.0.1",
+                expose_upstream_host=True,
+            ),
+            admin_port=admin,
+            listen_port=listen,
+            workdir=work,
+            log_level="error",
+        )
+        cluster.gateway = f"http://127.0.0.1:{listen}"
+        cluster.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_for(lambda: cluster.ready_pods() == 2, "both pods discovered")
+        yield cluster
+    finally:
+        procs.stop()
+        kube.stop()
+
+
+@pytest.mark.parametrize("mode", ["close", "error"])
+def test_routing_goes_on_while_the_watch_is_down_and_converges_after(
+    cluster: Cluster, mode: str
+) -> None:
+    kube = cluster.kube
+    with Traffic(cluster.gateway, rate=20, max_seconds=60) as traffic:
+        time.sleep(1)
+        if mode == "error":  # the API server answers 500 to the next lists and watches
+            kube.call(kube.server.fail_next, 6, status=500)
+        kube.call(kube.server.break_watches, mode)
+        changed_at = time.monotonic()
+        cluster.put_pod(1, ready=False)  # happens while the EPP is not watching
+        converged = wait_for(lambda: cluster.ready_pods() == 1, "the unready pod dropped")
+        time.sleep(1)
+        cluster.put_pod(1, ready=True)
+        back = wait_for(lambda: cluster.ready_pods() == 2, "the pod back")
+        time.sleep(1)
+    assert not failures(traffic.outcomes), failures(traffic.outcomes)[:5]
+    unready_served = [
+        o
+        for o in traffic.outcomes
+        if o.upstream.startswith(HOSTS[1])
+        and changed_at + converged + 0.5 < o.sent_at
+        and o.sent_at < changed_at + converged + 1
+    ]
+    assert not unready_served
+    report(
+        f"Kubernetes watch dropped ({mode})",
+        converged_s=converged,
+        pod_back_s=back,
+        failed_requests=float(len(failures(traffic.outcomes))),
+    )
