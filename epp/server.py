@@ -286,6 +286,12 @@ class EndpointPicker:
 
     def _reliability_samples(self) -> Iterable[GaugeSample]:
         datastore, admission = self.datastore, self.admission
+        with contextlib.suppress(RuntimeError):  # scraped from outside the loop's thread
+            yield GaugeSample(
+                "inference_extension_asyncio_tasks",
+                "asyncio tasks alive in the EPP (a steady number; growth is a leak).",
+                len(asyncio.all_tasks(asyncio.get_running_loop())),
+            )
         yield GaugeSample(
             "inference_extension_unreachable_endpoints",
             "Ready endpoints left out of candidates because their /metrics stopped answering.",
