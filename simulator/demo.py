@@ -387,6 +387,20 @@ class ConfigResult:
     per_pod: dict[str, int]
     errors: int
     requests: int
+    decision_ms: float
+
+
+async def epp_decision_ms(metrics_url: str) -> float:
+    """Mean time the EPP spent per scheduling decision (tokenize, hash, score, pick)."""
+    async with aiohttp.ClientSession() as session, session.get(metrics_url) as resp:
+        text = await resp.text()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("inference_extension_scheduler_e2e_duration_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("inference_extension_scheduler_e2e_duration_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return 1000 * total / count if count else float("nan")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -523,6 +537,7 @@ async def run_demo(
         work = build_workload(args.seed, args.sessions, args.unrelated_share)
         stats = await run_workload(gateway, work, system, args.concurrency, progress=True)
         after = await pod_counters(pods)
+        decision_ms = await epp_decision_ms(f"http://127.0.0.1:{metrics_port}/metrics")
         procs.stop("epp")
         queries = sum(
             after[p]["vllm:prefix_cache_queries_total"]
@@ -550,6 +565,7 @@ async def run_demo(
                 per_pod=per_pod,
                 errors=stats.errors,
                 requests=stats.requests,
+                decision_ms=decision_ms,
             )
         )
     return results
@@ -565,6 +581,7 @@ def print_table(results: list[ConfigResult]) -> None:
         ("TTFT p50", [f"{r.ttft_p50 * 1000:.0f} ms" for r in results]),
         ("TTFT p90", [f"{r.ttft_p90 * 1000:.0f} ms" for r in results]),
         ("TTFT p99", [f"{r.ttft_p99 * 1000:.0f} ms" for r in results]),
+        ("EPP decision time (mean)", [f"{r.decision_ms:.1f} ms" for r in results]),
         ("requests (errors)", [f"{r.requests} ({r.errors})" for r in results]),
     ]
     for pod in results[0].per_pod:
