@@ -68,6 +68,10 @@ class PrefillCostParameters(BaseModel):
     KV blocks it holds).  Without it a cache-sticky policy lets decode pile up on the pods
     that won the popular prefixes (shared-prefix shape, 1,000-token answers: TTFT p99 33 s at
     0 against 0.3 s at 200); at 1,000 it starts to spill warm requests.  Range 100-500."""
+    waitingRequestTokens: float = Field(default=0.0, ge=0.0, le=1_000_000.0)
+    """Token-equivalent cost of each request the pod itself reports waiting
+    (``vllm:num_requests_waiting``, scraped): requests it cannot admit yet, including those
+    routed by other EPP replicas."""
     kvPressureThreshold: float = Field(default=0.9, ge=0.0, le=1.0)
     """KV-cache usage (blocks held by running requests) above which the pressure term grows."""
     kvPressureTokens: float = Field(default=8192.0, ge=0.0, le=10_000_000.0)
@@ -104,6 +108,8 @@ class PrefillCostScorer(Plugin):
                 + endpoint.load.in_flight_prefill_tokens
                 + p.inFlightRequestTokens * endpoint.load.in_flight_requests
             )
+            if p.waitingRequestTokens and not endpoint.metrics_stale:
+                cost += p.waitingRequestTokens * endpoint.metrics.waiting_requests
             if p.kvPressureTokens:
                 usage = 1.0 if endpoint.metrics_stale else endpoint.metrics.kv_cache_usage
                 if usage > threshold:

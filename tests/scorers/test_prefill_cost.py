@@ -75,3 +75,10 @@ def test_kv_pressure_and_stale_metrics_count_against_a_pod() -> None:
 def test_parameters_are_validated() -> None:
     with pytest.raises(PluginConfigError, match="uncachedTokenWeight"):
         make("prefill-cost-scorer", {"uncachedTokenWeight": -1})
+
+
+def test_scraped_waiting_requests_count_when_configured() -> None:
+    scorer = make("prefill-cost-scorer", {**PARAMS, "waitingRequestTokens": 1000})
+    waiting = ep("w")
+    waiting.metrics.waiting_requests = 3
+    assert scorer.costs(prompt(100), [waiting, ep("x")]) == {"w": 400 + 3000, "x": 400}
