@@ -119,6 +119,9 @@ static_resources:
       health_checks:
         - timeout: {{ maxf 0.1 (minf 2.0 .) }}s
           interval: {{ . }}s
+          # Envoy checks a cluster that never had traffic only every 60 s by default.
+          no_traffic_interval: {{ . }}s
+          no_traffic_healthy_interval: {{ . }}s
           unhealthy_threshold: 1
           healthy_threshold: 1
           reuse_connection: true
