@@ -167,8 +167,10 @@ def test_a_header_flood_is_stopped_by_envoy_and_the_epp_keeps_serving(fleet: Fle
     flood = {f"x-flood-{i}": "v" * 1_000 for i in range(200)}
     try:
         status, _ = _post_json(fleet.stack.gateway, chat_body(1, 2), headers=flood)
-    except aiohttp.ServerDisconnectedError:
-        status = 431  # Envoy may close the connection right after its 431
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        # Envoy answers 431 and closes; a client still writing the flood may see the close (or
+        # a reset) before it reads the answer.
+        status = 431
     assert status == 431
     status, _ = _post_json(fleet.stack.gateway, chat_body(1, 3))
     assert status == 200
