@@ -99,7 +99,7 @@ def _generator(args: argparse.Namespace, fleet: FleetSpec) -> Callable[[float], 
         groups = args.groups or workloads.shared_prefix_groups_for(
             fleet.pods * fleet.capacity,
             args.prompts_per_group,
-            args.system_prompt_len,
+            args.system_prompt_len or 6000,
             args.question_len,
         )
         return lambda rate: workloads.shared_prefix(
@@ -107,7 +107,7 @@ def _generator(args: argparse.Namespace, fleet: FleetSpec) -> Callable[[float], 
             duration=duration,
             num_groups=groups,
             prompts_per_group=args.prompts_per_group,
-            system_prompt_len=args.system_prompt_len,
+            system_prompt_len=args.system_prompt_len or 6000,
             question_len=args.question_len,
             output_len=args.output_len or 1000,
             seed=seed,
@@ -117,7 +117,7 @@ def _generator(args: argparse.Namespace, fleet: FleetSpec) -> Callable[[float], 
             rate=rate,
             duration=duration,
             turns=args.turns,
-            system_prompt_len=args.system_prompt_len,
+            system_prompt_len=args.system_prompt_len or 2000,
             output_len=args.output_len or 300,
             seed=seed,
         )
@@ -262,7 +262,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--groups", type=int, default=None, help="shared-prefix groups (default: 73%% of fleet KV)"
     )
     gen.add_argument("--prompts-per-group", type=int, default=5)
-    gen.add_argument("--system-prompt-len", type=int, default=6000)
+    gen.add_argument(
+        "--system-prompt-len", type=int, default=None, help="default 6000 / 2000 (multi-turn)"
+    )
     gen.add_argument("--question-len", type=int, default=1200)
     gen.add_argument("--output-len", type=int, default=None, help="default 1000 / 300 / 250")
     gen.add_argument("--turns", type=int, default=6, help="multi-turn turns per session")

@@ -90,7 +90,7 @@ DEFAULT_CONFIG_YAML: Final = """\
 # and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
 # events, plus predicted entries for requests routed in the last 2 s whose events have not
 # arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
-# 4 x uncached prompt tokens + prefill already queued there + 200 per request in flight
+# 4 x uncached prompt tokens + prefill already queued there + 500 per request in flight
 # (+ up to 8192 when the pod's KV cache is over 90 % full); max-score-picker takes the cheapest.
 # Without a tokenizer for text prompts, or without KV events, this is least-work routing.
 # Benchmarks and tuning: docs/routing-results.md (python -m benchmarks.routing).
@@ -104,7 +104,7 @@ plugins:
 - type: prefill-cost-scorer
   parameters:
     uncachedTokenWeight: 4
-    inFlightRequestTokens: 200
+    inFlightRequestTokens: 500
     kvPressureThreshold: 0.9
     kvPressureTokens: 8192
 - type: max-score-picker
