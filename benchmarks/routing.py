@@ -178,6 +178,26 @@ def format_table(summaries: Sequence[PolicySummary], oracle: float) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables in Markdown, one row per (load, policy)."""
+    lines = [
+        "| load | policy | hit rate | of oracle | TTFT p50 | p90 | p99 | out tok/s | max/mean |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for step in report["steps"]:
+        oracle = step["oracle_hit_rate"]
+        for name, p in step["policies"].items():
+            label = f"**{name}**" if name == "default" else name
+            share = p["hit_rate"] / oracle if oracle else 0.0
+            lines.append(
+                f"| {step['load']:.2f} | {label} | {p['hit_rate']:.1%} | {share:.0%} | "
+                f"{p['ttft_p50']:.3f} | {p['ttft_p90']:.3f} | {p['ttft_p99']:.3f} | "
+                f"{p['throughput']:.0f} | {p['max_over_mean_load']:.2f} |"
+            )
+        lines.append(f"| {step['load']:.2f} | oracle | {oracle:.1%} | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -292,6 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     run.add_argument("--json", type=Path, default=None, dest="json_out")
     run.add_argument("--plot", type=Path, default=None)
+    run.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
     args = parser.parse_args(argv)
     if args.workload is None:
         args.workload = "trace"
@@ -415,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json_out.write_text(json.dumps(report, indent=2))
     if args.plot is not None:
         plot(report, args.plot)
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(report))
     return 0
 
 
@@ -422,4 +445,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["build_steps", "format_table", "main", "plot"]
+__all__ = ["build_steps", "format_table", "main", "markdown", "plot"]

@@ -149,7 +149,7 @@ def test_cli_writes_the_table_and_the_json(
         [
             "--trace", str(trace), "--pods", "2", "--profile", "tiny-cpu",
             "--capacity-tokens", "4096", "--policies", "round-robin,default",
-            "--sweep", "0.3,0.6", "--jobs", "1", "--json", str(out),
+            "--sweep", "0.3,0.6", "--jobs", "1", "--json", str(out), "--markdown", str(tmp_path / "t.md"),
         ]
     )  # fmt: skip
     assert code == 0
@@ -168,3 +168,5 @@ def test_cli_writes_the_table_and_the_json(
     assert 0 < report["oracle_hit_rate"] <= 1
     assert [round(s["load"], 2) for s in report["steps"]] == [0.3, 0.6]
     assert "oracle" in capsys.readouterr().out
+    table = (tmp_path / "t.md").read_text()
+    assert table.count("| **default** |") == 2 and table.count("| oracle |") == 2
