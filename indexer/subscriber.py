@@ -131,8 +131,10 @@ class SubscriberConfig:
     # then registered on the fly, without replay) instead of counting and dropping them.
     accept_unregistered: bool = False
     # Messages handled back to back before yielding to the event loop, so a flood of events
-    # cannot stall request handling.
+    # cannot stall request handling; and, whatever the count, at most `yield_after_s` of work
+    # (a batch of a long prefill takes milliseconds to decode and index).
     yield_every: int = 256
+    yield_after_s: float = 0.002
     # Largest payload decoded; larger ones are dropped unread.  A vLLM step's batch is far
     # smaller (a step schedules at most max_num_batched_tokens: typically well under 1 MB).
     max_batch_bytes: int = 4 * 1024 * 1024
@@ -144,7 +146,7 @@ class SubscriberConfig:
     replay_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("replay_timeout_s", "replay_interval_s"):
+        for name in ("replay_timeout_s", "replay_interval_s", "yield_after_s"):
             if not getattr(self, name) > 0:
                 raise SubscriberConfigError(
                     f"{name} must be > 0 seconds, got {getattr(self, name)!r}"
@@ -682,8 +684,11 @@ class _EndpointFeed:
             self._apply(seq, payload)
             self.stats.batches_replayed += 1
             progress.delivered += 1
-            if progress.delivered % self._config.yield_every == 0:
+            if progress.delivered % self._config.yield_every == 0 or (
+                asyncio.get_running_loop().time() > progress.budget_end
+            ):
                 await asyncio.sleep(0)
+                progress.budget_end = asyncio.get_running_loop().time() + self._config.yield_after_s
 
     def _reset_dealer(self) -> None:
         """A fresh DEALER after a failed replay, so late replies to the abandoned request cannot
@@ -753,6 +758,7 @@ class _EndpointFeed:
 class _ReplayProgress:
     delivered: int = 0
     hole: bool = False
+    budget_end: float = 0.0  # loop time by which to yield (SubscriberConfig.yield_after_s)
 
 
 class _Spawn(Protocol):
@@ -860,6 +866,8 @@ class _Subscriber:
         self, sock: zmq.asyncio.Socket, dispatch: Callable[[list[bytes]], None], what: str
     ) -> None:
         handled = 0
+        loop = asyncio.get_running_loop()
+        budget_end = loop.time() + self._config.yield_after_s
         while True:
             try:
                 frames = _as_bytes(await sock.recv_multipart())
@@ -874,8 +882,10 @@ class _Subscriber:
             except Exception:  # a bug, not bad input (that is counted): keep receiving
                 log.exception("KV events (%s): failed to handle a message", what)
             handled += 1
-            if handled % self._config.yield_every == 0:
+            # A queued message is returned without yielding: give the loop its turn here.
+            if handled % self._config.yield_every == 0 or loop.time() > budget_end:
                 await asyncio.sleep(0)
+                budget_end = loop.time() + self._config.yield_after_s
 
 
 class SubscriberPool(_Subscriber):
