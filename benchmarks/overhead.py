@@ -234,7 +234,7 @@ async def rps(seconds: float, tok_dir: Path) -> dict[str, Any]:
 # Event ingestion while serving
 
 
-def _publisher(url_queue: Any, seconds: float, batches_sent: Any) -> None:
+def _publisher(url_queue: Any, seconds: float, batches_sent: Any, rate: float) -> None:
     """vLLM-format batches of 64 BlockStored events, each a 16-block chain from block 0 with
     its true sha256 keys and tokens (so the EPP's self-check verifies every block, as it does
     for real pods), 256 distinct batches round-robin (more blocks than the EPP's digest cache,
@@ -266,23 +266,27 @@ def _publisher(url_queue: Any, seconds: float, batches_sent: Any) -> None:
     time.sleep(1.0)  # the subscriber connects (slow joiner)
     deadline = time.monotonic() + seconds
     seq = 0
+    started = time.monotonic()
     while time.monotonic() < deadline:
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payloads[seq % len(payloads)]])
         seq += 1
-        if seq % 16 == 0:
-            time.sleep(0.001)  # no unbounded queue in front of a slower subscriber
+        if rate:  # paced: `rate` batches per second
+            time.sleep(max(0.0, started + seq / rate - time.monotonic()))
+        elif seq % 16 == 0:
+            time.sleep(0.001)  # flood, but no unbounded queue in front of the subscriber
     batches_sent.value = seq
     pub.close(linger=0)
     ctx.term()
 
 
-async def ingestion(seconds: float, tok_dir: Path) -> dict[str, Any]:
+async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[str, Any]:
+    """``rate``: batches of 1,024 blocks per second offered (0: as fast as the EPP takes them)."""
     server = Server(16, tok_dir)
     await server.start()
     ctx = multiprocessing.get_context("spawn")
     url_queue = ctx.Queue()
     sent = ctx.Value("q", 0)
-    publisher = ctx.Process(target=_publisher, args=(url_queue, seconds + 2, sent))
+    publisher = ctx.Process(target=_publisher, args=(url_queue, seconds + 2, sent, rate))
     publisher.start()
     try:
         loop = asyncio.get_running_loop()
@@ -367,11 +371,12 @@ def main() -> int:
                 f"{row['epp_cores_used']:.2f} cores = {row['decisions_per_s_per_core']:.0f}/s per "
                 f"core (warm 2k chat, 32 streams; p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms)"
             )
-        if "ingestion" in sections:
-            row = asyncio.run(ingestion(args.seconds, tok_dir))
-            results["ingestion"] = row
+        for rate in [0.0, 40.0] if "ingestion" in sections else []:
+            row = asyncio.run(ingestion(args.seconds, tok_dir, rate))
+            label = "flood" if not rate else f"{rate * 1024:,.0f} blocks/s offered"
+            results[f"ingestion {label}"] = row
             print(
-                f"\ningestion while serving: {row['blocks_indexed_per_s']:,.0f} blocks/s on "
+                f"\ningestion while serving ({label}): {row['blocks_indexed_per_s']:,.0f} blocks/s on "
                 f"{row['epp_cores_used']:.2f} cores = {row['blocks_per_s_per_core']:,.0f}/s per core; "
                 f"{row['decisions_per_s_meanwhile']:.0f} decisions/s meanwhile, "
                 f"p50 {row['decision_p50_ms']:.1f} ms, p99 {row['decision_p99_ms']:.1f} ms"

@@ -132,9 +132,13 @@ class SubscriberConfig:
     accept_unregistered: bool = False
     # Messages handled back to back before yielding to the event loop, so a flood of events
     # cannot stall request handling; and, whatever the count, at most `yield_after_s` of work
-    # (a batch of a long prefill takes milliseconds to decode and index).
+    # (a batch of a long prefill takes milliseconds to decode and index), followed by a pause of
+    # `yield_pause_s`: sleeping releases the GIL, which the request path's threads (tokenizers,
+    # gRPC's poller) need; a bare yield would hand it back to ingestion at once.  A flood is
+    # thus held to about two thirds of one core and requests keep flowing (benchmarks.overhead).
     yield_every: int = 256
     yield_after_s: float = 0.002
+    yield_pause_s: float = 0.001
     # Largest payload decoded; larger ones are dropped unread.  A vLLM step's batch is far
     # smaller (a step schedules at most max_num_batched_tokens: typically well under 1 MB).
     max_batch_bytes: int = 4 * 1024 * 1024
@@ -146,7 +150,7 @@ class SubscriberConfig:
     replay_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("replay_timeout_s", "replay_interval_s", "yield_after_s"):
+        for name in ("replay_timeout_s", "replay_interval_s", "yield_after_s", "yield_pause_s"):
             if not getattr(self, name) > 0:
                 raise SubscriberConfigError(
                     f"{name} must be > 0 seconds, got {getattr(self, name)!r}"
@@ -883,9 +887,11 @@ class _Subscriber:
                 log.exception("KV events (%s): failed to handle a message", what)
             handled += 1
             # A queued message is returned without yielding: give the loop its turn here.
-            if handled % self._config.yield_every == 0 or loop.time() > budget_end:
-                await asyncio.sleep(0)
+            if loop.time() > budget_end:
+                await asyncio.sleep(self._config.yield_pause_s)
                 budget_end = loop.time() + self._config.yield_after_s
+            elif handled % self._config.yield_every == 0:
+                await asyncio.sleep(0)
 
 
 class SubscriberPool(_Subscriber):
