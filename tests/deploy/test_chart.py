@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from epp.cli import build_parser, check_config
-from epp.config import load_config
+from epp.config import DEFAULT_CONFIG_YAML, load_config
 from epp.envoy_bootstrap import render_envoy_config, validate_config
 from indexer.hashing import HASH_ALGOS
 from tests.deploy.chart import CHART_DIR, NAMESPACE, RELEASE, Helm, Rendered, vllm_flags
@@ -126,6 +126,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "tokenizer": {"volume": {"emptyDir": {}}},
         "flags": {"refresh-metrics-interval": "100ms", "tokenizer-workers": 4},
         "extraArgs": ["--saturation-staleness=500ms"],
+        "admission": {"maxInFlightPerEndpoint": 8, "mode": "queue", "maxQueueWaitSeconds": 2.5},
         "vllm": {"blockSize": 32, "hashAlgo": "xxhash_cbor", "pythonHashSeed": 42},
     },
 }
@@ -324,7 +325,7 @@ def test_config_change_rolls_the_pods(helm: Helm) -> None:
         value: str = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
         return value
 
-    assert checksum({}) != checksum({"scheduling": {"weights": {"queue-scorer": 7}}})
+    assert checksum({}) != checksum({"scheduling": {"weights": {"prefill-cost-scorer": 7}}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +364,13 @@ def test_rendered_args_are_accepted_by_epp_serve(
         assert Path(args.cert_path) == Path(mounts["tls"])
     else:
         assert args.cert_path is None and "tls" not in mounts
+    admission = values["admission"]
+    assert args.max_in_flight_per_endpoint == admission["maxInFlightPerEndpoint"]
+    if admission["maxInFlightPerEndpoint"]:
+        assert args.admission_mode == admission["mode"]
+        if admission["mode"] == "queue":
+            assert args.max_queued_requests == admission["maxQueuedRequests"]
+            assert args.max_queue_wait == admission["maxQueueWaitSeconds"]
     if precise_parameters(r.epp_config_text()) is not None:
         assert args.kv_events_port == values["vllm"]["kvEventsPort"]
         assert args.kv_events_replay_port == values["vllm"]["kvEventsReplayPort"]
@@ -422,14 +430,33 @@ def test_weights_are_plain_values(rendered: dict[str, Rendered], helm: Helm) -> 
     # The defaults, and --set (which passes decimals as strings).
     default = load_config(text=rendered["defaults"].epp_config_text())
     assert {r.pluginRef: r.weight for r in default.schedulingProfiles[0].plugins} == {
-        "precise-prefix-cache-scorer": 3.0,
-        "queue-scorer": 2.0,
-        "kv-cache-utilization-scorer": 2.0,
+        "prefill-cost-scorer": 1.0,
         "max-score-picker": 1.0,
     }
-    text = helm.template(sets=["scheduling.weights.queue-scorer=0.25"]).epp_config_text()
+    text = helm.template(sets=["scheduling.weights.prefill-cost-scorer=0.25"]).epp_config_text()
     weights = {r.pluginRef: r.weight for r in load_config(text=text).schedulingProfiles[0].plugins}
-    assert weights["queue-scorer"] == 0.25
+    assert weights["prefill-cost-scorer"] == 0.25
+
+
+def test_default_scheduling_is_the_epps_own_default(rendered: dict[str, Rendered]) -> None:
+    # The chart's default values must deploy the policy `epp serve` runs without a config file
+    # (the one docs/routing-results.md measures), apart from the model-server settings the
+    # chart injects into the precise scorer.
+    injected = {"blockSize", "hashAlgo", "hashSeed", "tokenizer", "tokenizers", "kvEvents"}
+
+    def policy(text: str) -> tuple[object, ...]:
+        config = load_config(text=text)
+        plugins = sorted(
+            (p.name, p.type, sorted((k, v) for k, v in p.parameters.items() if k not in injected))
+            for p in config.plugins
+        )
+        profiles = [
+            (sorted((r.pluginRef, r.weight) for r in profile.plugins))
+            for profile in config.schedulingProfiles
+        ]
+        return plugins, profiles
+
+    assert policy(rendered["defaults"].epp_config_text()) == policy(DEFAULT_CONFIG_YAML)
 
 
 def test_config_text_is_used_verbatim(rendered: dict[str, Rendered]) -> None:
@@ -462,10 +489,16 @@ def test_values_schema_knows_every_hash_algorithm() -> None:
         ),
         ({"vllm": {"hashAlgo": "xxhash", "pythonHashSeed": None}}, [], "needs vllm.pythonHashSeed"),
         ({"vllm": {"hashAlgo": "md5"}}, [], "/vllm/hashAlgo"),
-        ({}, ["scheduling.weights.queue-scorer=-1"], "/scheduling/weights/queue-scorer"),
+        (
+            {},
+            ["scheduling.weights.prefill-cost-scorer=-1"],
+            "/scheduling/weights/prefill-cost-scorer",
+        ),
         ({"scheduling": {"weight": {"queue-scorer": 1}}}, [], "weight"),
         ({"scheduling": {"plugins": []}}, [], "scheduling.plugins is empty"),
         ({"envoy": {"enabled": True, "requestBodyMode": "STREAMED"}}, [], "requestBodyMode"),
+        ({"admission": {"mode": "drop"}}, [], "/admission/mode"),
+        ({"admission": {"maxInFlightPerEndpoint": 0}}, [], "/admission/maxInFlightPerEndpoint"),
     ],
 )
 def test_inconsistent_values_are_refused(

@@ -245,6 +245,16 @@ comes from the downward API; the topic is informational (the EPP keys events by 
 - --enable-cert-reload=true
 {{- end }}
 {{- end }}
+{{- with .Values.admission }}
+{{- if .maxInFlightPerEndpoint }}
+- --max-in-flight-per-endpoint={{ int64 .maxInFlightPerEndpoint }}
+- --admission-mode={{ .mode }}
+{{- if eq .mode "queue" }}
+- --max-queued-requests={{ int64 .maxQueuedRequests }}
+- --max-queue-wait={{ .maxQueueWaitSeconds }}s
+{{- end }}
+{{- end }}
+{{- end }}
 - --drain-timeout={{ .Values.drainTimeoutSeconds }}s
 - --max-body-bytes={{ int64 .Values.maxBodyBytes }}
 {{- range $key, $value := .Values.flags }}
