@@ -22,10 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +34,18 @@ import aiohttp
 import yaml
 
 from epp.config import DEFAULT_CONFIG_YAML
-from epp.envoy_bootstrap import EnvoyProcess, render_envoy_config, start_envoy
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
+from simulator.launch import (
+    EppPorts,
+    PodPorts,
+    ProcessGroup,
+    epp_command,
+    pod_command,
+    spawn,
+    start_loopback_envoy,
+    wait_grpc_ready,
+    wait_http,
+)
 
 MODEL = "demo-llama3-8b"
 _WORDS = [
@@ -87,103 +94,6 @@ _WORDS = [
     "receipt",
     "policy",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-@dataclass
-class Processes:
-    """Everything the demo started, stopped in reverse order whatever happens."""
-
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-    envoy: EnvoyProcess | None = None
-
-    def add(self, name: str, proc: subprocess.Popen[bytes]) -> None:
-        self.procs.append((name, proc))
-
-    def stop(self, name: str | None = None) -> None:
-        keep = []
-        for proc_name, proc in reversed(self.procs):
-            if name is not None and proc_name != name:
-                keep.append((proc_name, proc))
-                continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
-        self.procs = list(reversed(keep))
-        if name is None and self.envoy is not None:
-            self.envoy.stop()
-            self.envoy = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"},
-        )
-
-
-async def _wait_http(
-    url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60
-) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{proc.args!r} exited early; its log:\n{log.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                    if resp.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{url} not healthy after {timeout:.0f}s; log:\n{log.read_text()[-3000:]}"
-                )
-            await asyncio.sleep(0.1)
-
-
-def _wait_grpc_ready(
-    port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60
-) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the EPP exited early; its log:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(grpc.RpcError):
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"EPP not ready after {timeout:.0f}s; log:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,74 +335,31 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 
 async def run_demo(
-    args: argparse.Namespace, procs: Processes, work_dir: Path
+    args: argparse.Namespace, procs: ProcessGroup, work_dir: Path
 ) -> list[ConfigResult]:
-    python = sys.executable
     tokenizer_dir = build_llama3_tokenizer_dir(work_dir / "tokenizer")
-    pods: list[str] = []
-    endpoints = []
     print(f"Starting {args.pods} simulated vLLM pods, the EPP and Envoy (logs in {work_dir})")
-    for i in range(args.pods):
-        http, pub, replay = _free_port(), _free_port(), _free_port()
-        log = work_dir / f"pod-{i}.log"
-        proc = _spawn(
-            [
-                python,
-                "-m",
-                "simulator",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http),
-                "--model",
-                MODEL,
-                "--tokenizer",
-                str(tokenizer_dir),
-                "--profile",
-                args.profile,
-                "--speedup",
-                str(args.speedup),
-                "--capacity-blocks",
-                str(args.capacity_blocks),
-                "--kv-events-port",
-                str(pub),
-                "--replay-port",
-                str(replay),
-                "--seed",
-                str(i),
-            ],
-            log,
-        )
-        procs.add(f"pod-{i}", proc)
-        pods.append(f"127.0.0.1:{http}")
-        endpoints.append(
-            {
-                "address": f"127.0.0.1:{http}",
-                "name": f"pod-{i}",
-                "kvEventsUrl": f"tcp://127.0.0.1:{pub}",
-                "replayUrl": f"tcp://127.0.0.1:{replay}",
-            }
-        )
-    for i, pod in enumerate(pods):
-        await _wait_http(f"http://{pod}/health", procs.procs[i][1], work_dir / f"pod-{i}.log")
+    pod_ports = [PodPorts.free() for _ in range(args.pods)]
+    for i, ports in enumerate(pod_ports):
+        options = [
+            "--profile",
+            args.profile,
+            "--speedup",
+            str(args.speedup),
+            "--capacity-blocks",
+            str(args.capacity_blocks),
+        ]
+        command = pod_command(ports, model=MODEL, tokenizer=tokenizer_dir, seed=i, options=options)
+        procs.add(f"pod-{i}", spawn(command, work_dir / f"pod-{i}.log"))
+    for i, (ports, (_, proc)) in enumerate(zip(pod_ports, procs.procs, strict=True)):
+        await wait_http(f"http://{ports.address}/health", proc, work_dir / f"pod-{i}.log")
+    pods = [ports.address for ports in pod_ports]
+    endpoints = [ports.endpoint(f"pod-{i}") for i, ports in enumerate(pod_ports)]
     (work_dir / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
 
-    grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
-    listen_port, admin_port = _free_port(), _free_port()
-    procs.envoy = start_envoy(
-        render_envoy_config(
-            listen_port=listen_port,
-            extproc_port=grpc_port,
-            admin_port=admin_port,
-            listen_host="127.0.0.1",
-            admin_host="127.0.0.1",
-        ),
-        admin_port=admin_port,
-        listen_port=listen_port,
-        workdir=work_dir,
-        log_level="warning",
-    )
-    gateway = f"http://127.0.0.1:{listen_port}"
+    epp_ports = EppPorts.free()
+    procs.envoy = start_loopback_envoy(epp_ports.grpc, work_dir)
+    gateway = f"http://127.0.0.1:{procs.envoy.listen_port}"
     rng = random.Random(args.seed)
     system = system_prompt(rng)
     results: list[ConfigResult] = []
@@ -505,31 +372,16 @@ async def run_demo(
         config_path = work_dir / f"config-{len(results)}.yaml"
         config_path.write_text(config_text)
         log = work_dir / f"epp-{len(results)}.log"
-        epp = _spawn(
-            [
-                python,
-                "-m",
-                "epp.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(grpc_port),
-                "--grpc-health-port",
-                str(health_port),
-                "--metrics-port",
-                str(metrics_port),
-                "--endpoints-file",
-                str(work_dir / "endpoints.yaml"),
-                "--config-file",
-                str(config_path),
-                "--drain-timeout",
-                "1s",
-            ],
-            log,
-        )
-        procs.add("epp", epp)
-        await asyncio.to_thread(_wait_grpc_ready, health_port, epp, log)
+        serve_options = [
+            "--endpoints-file",
+            str(work_dir / "endpoints.yaml"),
+            "--config-file",
+            str(config_path),
+            "--drain-timeout",
+            "1s",
+        ]
+        epp = procs.add("epp", spawn(epp_command(epp_ports, serve_options), log))
+        await asyncio.to_thread(wait_grpc_ready, epp_ports.health, epp, log)
         await reset_pods(pods)
         await asyncio.sleep(0.5)  # let the EPP index see the resets
         before = await pod_counters(pods)
@@ -537,7 +389,7 @@ async def run_demo(
         work = build_workload(args.seed, args.sessions, args.unrelated_share)
         stats = await run_workload(gateway, work, system, args.concurrency, progress=True)
         after = await pod_counters(pods)
-        decision_ms = await epp_decision_ms(f"http://127.0.0.1:{metrics_port}/metrics")
+        decision_ms = await epp_decision_ms(epp_ports.metrics_url)
         procs.stop("epp")
         queries = sum(
             after[p]["vllm:prefix_cache_queries_total"]
@@ -631,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    procs = Processes()
+    procs = ProcessGroup()
     started = time.monotonic()
     try:
         with _workdir(args.workdir) as work_dir:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +22,17 @@ import aiohttp
 import pytest
 import yaml
 
-from epp.envoy_bootstrap import render_envoy_config, start_envoy
-from simulator.demo import Processes, _free_port, _spawn, _wait_grpc_ready, _wait_http
+from simulator.launch import (
+    EppPorts,
+    PodPorts,
+    ProcessGroup,
+    epp_command,
+    pod_command,
+    spawn,
+    start_loopback_envoy,
+    wait_grpc_ready,
+    wait_http,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,98 +65,38 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("e2e")
-    procs = Processes()
+    procs = ProcessGroup()
     try:
-        pods, endpoints = [], []
-        for i in range(2):
-            http, pub, replay = _free_port(), _free_port(), _free_port()
-            log = work / f"pod-{i}.log"
-            procs.add(
-                f"pod-{i}",
-                _spawn(
-                    [
-                        sys.executable,
-                        "-m",
-                        "simulator",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(http),
-                        "--model",
-                        MODEL,
-                        "--tokenizer",
-                        str(llama3_tokenizer_dir),
-                        "--speedup",
-                        "5",
-                        "--max-num-seqs",
-                        "2",
-                        "--kv-events-port",
-                        str(pub),
-                        "--replay-port",
-                        str(replay),
-                        "--seed",
-                        str(i),
-                    ],
-                    log,
-                ),
+        pod_ports = [PodPorts.free() for _ in range(2)]
+        for i, ports in enumerate(pod_ports):
+            options = ["--speedup", "5", "--max-num-seqs", "2"]
+            command = pod_command(
+                ports, model=MODEL, tokenizer=llama3_tokenizer_dir, seed=i, options=options
             )
-            pods.append(f"127.0.0.1:{http}")
-            endpoints.append(
-                {
-                    "address": pods[-1],
-                    "kvEventsUrl": f"tcp://127.0.0.1:{pub}",
-                    "replayUrl": f"tcp://127.0.0.1:{replay}",
-                }
-            )
-        for i, pod in enumerate(pods):
-            asyncio.run(
-                _wait_http(f"http://{pod}/health", procs.procs[i][1], work / f"pod-{i}.log")
-            )
+            procs.add(f"pod-{i}", spawn(command, work / f"pod-{i}.log"))
+        for i, (ports, (_, proc)) in enumerate(zip(pod_ports, procs.procs, strict=True)):
+            asyncio.run(wait_http(f"http://{ports.address}/health", proc, work / f"pod-{i}.log"))
+        endpoints = [ports.endpoint() for ports in pod_ports]
         (work / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
         (work / "config.yaml").write_text(CONFIG.format(tokenizer=llama3_tokenizer_dir))
-        grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+        epp_ports = EppPorts.free()
+        serve_options = [
+            "--endpoints-file",
+            str(work / "endpoints.yaml"),
+            "--config-file",
+            str(work / "config.yaml"),
+            "--drain-timeout",
+            "1s",
+        ]
         epp_log = work / "epp.log"
-        epp = _spawn(
-            [
-                sys.executable,
-                "-m",
-                "epp.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(grpc_port),
-                "--grpc-health-port",
-                str(health_port),
-                "--metrics-port",
-                str(metrics_port),
-                "--endpoints-file",
-                str(work / "endpoints.yaml"),
-                "--config-file",
-                str(work / "config.yaml"),
-                "--drain-timeout",
-                "1s",
-            ],
-            epp_log,
-        )
-        procs.add("epp", epp)
-        _wait_grpc_ready(health_port, epp, epp_log)
-        listen, admin = _free_port(), _free_port()
-        procs.envoy = start_envoy(
-            render_envoy_config(
-                listen_port=listen,
-                extproc_port=grpc_port,
-                admin_port=admin,
-                listen_host="127.0.0.1",
-                admin_host="127.0.0.1",
-            ),
-            admin_port=admin,
-            listen_port=listen,
-            workdir=work,
-            log_level="warning",
-        )
+        epp = procs.add("epp", spawn(epp_command(epp_ports, serve_options), epp_log))
+        wait_grpc_ready(epp_ports.health, epp, epp_log)
+        procs.envoy = start_loopback_envoy(epp_ports.grpc, work)
         yield Stack(
-            f"http://127.0.0.1:{listen}", pods, f"http://127.0.0.1:{metrics_port}/metrics", work
+            f"http://127.0.0.1:{procs.envoy.listen_port}",
+            [ports.address for ports in pod_ports],
+            epp_ports.metrics_url,
+            work,
         )
     finally:
         procs.stop()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from simulator.demo import Processes, build_parser, print_table, run_demo
+from simulator.demo import build_parser, print_table, run_demo
+from simulator.launch import ProcessGroup
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +20,7 @@ def test_default_configuration_beats_round_robin_on_engine_hit_rate(
     args = build_parser().parse_args(
         ["--pods", "2", "--sessions", "10", "--concurrency", "4", "--speedup", "4"]
     )
-    procs = Processes()
+    procs = ProcessGroup()
     try:
         results = asyncio.run(run_demo(args, procs, tmp_path))
     finally:
