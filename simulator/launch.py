@@ -119,11 +119,13 @@ def wait_grpc_ready(
 
 @dataclass(frozen=True)
 class PodPorts:
-    """A simulated pod's HTTP port, KV-event PUB port and replay ROUTER port."""
+    """A simulated pod's HTTP port, KV-event PUB port and replay ROUTER port on ``host`` (another
+    loopback address than 127.0.0.1 lets pods share port numbers, as pods of a cluster do)."""
 
     http: int
     pub: int
     replay: int
+    host: str = LOOPBACK
 
     @classmethod
     def free(cls) -> PodPorts:
@@ -131,15 +133,15 @@ class PodPorts:
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.http}"
+        return f"{self.host}:{self.http}"
 
     @property
     def kv_events_url(self) -> str:
-        return f"tcp://{LOOPBACK}:{self.pub}"
+        return f"tcp://{self.host}:{self.pub}"
 
     @property
     def replay_url(self) -> str:
-        return f"tcp://{LOOPBACK}:{self.replay}"
+        return f"tcp://{self.host}:{self.replay}"
 
     def endpoint(self, name: str | None = None) -> dict[str, str]:
         """This pod's entry in ``epp serve --endpoints-file``."""
@@ -163,7 +165,7 @@ def pod_command(
         "-m",
         "simulator",
         "--host",
-        LOOPBACK,
+        ports.host,
         "--port",
         str(ports.http),
         "--model",

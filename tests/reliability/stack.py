@@ -21,7 +21,6 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,10 +33,21 @@ import yaml
 import zmq
 from aiohttp import web
 
-from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER, EnvoyProcess, render_envoy_config, start_envoy
+from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER, EnvoyProcess
 from indexer.events import decode_batch
 from indexer.index import KVBlockIndex
-from simulator.demo import _free_port, _spawn, _wait_grpc_ready, _wait_http
+from simulator.launch import (
+    EppPorts,
+    PodPorts,
+    epp_command,
+    free_port,
+    pod_command,
+    spawn,
+    start_loopback_envoy,
+    stop_process,
+    wait_grpc_ready,
+    wait_http,
+)
 
 MODEL = "rel-llama3"
 CONFIG = """\
@@ -69,7 +79,7 @@ class MetricsProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.mode = "pass"
-        self.port = _free_port()
+        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-proxy", daemon=True)
@@ -125,9 +135,7 @@ class MetricsProxy:
 @dataclass
 class Pod:
     index: int
-    http_port: int
-    pub_port: int
-    replay_port: int
+    ports: PodPorts
     args: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
@@ -136,25 +144,23 @@ class Pod:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return self.ports.address
 
     @property
     def replay_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
+        return self.ports.replay_url
 
 
 @dataclass
 class Replica:
-    grpc_port: int
-    health_port: int
-    metrics_port: int
+    ports: EppPorts
     args: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return self.ports.metrics_url
 
 
 @dataclass
@@ -221,39 +227,21 @@ class Stack:
         config: str | None,
     ) -> None:
         for i in range(pods):
-            http, pub, replay = _free_port(), _free_port(), _free_port()
-            args = [
-                sys.executable,
-                "-m",
-                "simulator",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http),
-                "--model",
-                MODEL,
-                "--tokenizer",
-                str(self.tokenizer_dir),
-                "--speedup",
-                "20",
-                "--max-num-seqs",
-                "8",
-                "--kv-events-port",
-                str(pub),
-                "--replay-port",
-                str(replay),
-                "--seed",
-                str(i),
-                "--log-level",
-                "warning",
-                *pod_args,
-            ]
-            pod = Pod(i, http, pub, replay, args, self.work / f"pod-{i}.log")
+            ports = PodPorts.free()
+            options = ["--speedup", "20", "--max-num-seqs", "8", "--log-level", "warning"]
+            args = pod_command(
+                ports,
+                model=MODEL,
+                tokenizer=self.tokenizer_dir,
+                seed=i,
+                options=[*options, *pod_args],
+            )
+            pod = Pod(i, ports, args, self.work / f"pod-{i}.log")
             self.pods.append(pod)
             self.start_pod(i, wait=False)
         for pod in self.pods:
             assert pod.proc is not None
-            asyncio.run(_wait_http(f"http://{pod.address}/health", pod.proc, pod.log))
+            asyncio.run(wait_http(f"http://{pod.address}/health", pod.proc, pod.log))
             if pod.index in metrics_proxies:
                 pod.metrics_proxy = MetricsProxy(pod.address)
         if silent_replay:
@@ -267,7 +255,7 @@ class Stack:
         for pod in self.pods:
             entry: dict[str, Any] = {
                 "address": pod.address,
-                "kvEventsUrl": f"tcp://127.0.0.1:{pod.pub_port}",
+                "kvEventsUrl": pod.ports.kv_events_url,
                 "replayUrl": pod.replay_url_override or pod.replay_url,
             }
             if pod.metrics_proxy is not None:
@@ -278,55 +266,31 @@ class Stack:
         (self.work / "config.yaml").write_text(
             config or CONFIG.format(tokenizer=self.tokenizer_dir)
         )
+        serve_options = [
+            "--endpoints-file",
+            str(self.work / "endpoints.yaml"),
+            "--config-file",
+            str(self.work / "config.yaml"),
+            "--drain-timeout",
+            "10s",
+            "--drain-quiet-period",
+            "1s",
+            *epp_args,
+        ]
         for r in range(replicas):
-            grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
-            args = [
-                sys.executable,
-                "-m",
-                "epp.cli",
-                "--log-level",
-                "warning",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(grpc_port),
-                "--grpc-health-port",
-                str(health_port),
-                "--metrics-port",
-                str(metrics_port),
-                "--endpoints-file",
-                str(self.work / "endpoints.yaml"),
-                "--config-file",
-                str(self.work / "config.yaml"),
-                "--drain-timeout",
-                "10s",
-                "--drain-quiet-period",
-                "1s",
-                *epp_args,
-            ]
-            self.replicas.append(
-                Replica(grpc_port, health_port, metrics_port, args, self.work / f"epp-{r}.log")
-            )
+            ports = EppPorts.free()
+            args = epp_command(ports, serve_options, log_level="warning")
+            self.replicas.append(Replica(ports, args, self.work / f"epp-{r}.log"))
             self.start_replica(r)
-        listen, admin = _free_port(), _free_port()
-        self.envoy = start_envoy(
-            render_envoy_config(
-                listen_port=listen,
-                extproc_port=self.replicas[0].grpc_port,
-                admin_port=admin,
-                listen_host="127.0.0.1",
-                admin_host="127.0.0.1",
-                extproc_endpoints=[("127.0.0.1", r.grpc_port) for r in self.replicas],
-                extproc_health_check_interval_s=envoy_health_check_s,
-                extproc_tls=extproc_tls,
-                expose_upstream_host=True,
-                message_timeout_s=30,
-            ),
-            admin_port=admin,
-            listen_port=listen,
-            workdir=self.work,
+        self.envoy = start_loopback_envoy(
+            self.replicas[0].ports.grpc,
+            self.work,
             log_level="error",
+            extproc_endpoints=[("127.0.0.1", r.ports.grpc) for r in self.replicas],
+            extproc_health_check_interval_s=envoy_health_check_s,
+            extproc_tls=extproc_tls,
+            expose_upstream_host=True,
+            message_timeout_s=30,
         )
 
     @property
@@ -338,9 +302,9 @@ class Stack:
 
     def start_pod(self, i: int, *, wait: bool = True) -> None:
         pod = self.pods[i]
-        pod.proc = _spawn(pod.args, pod.log)
+        pod.proc = spawn(pod.args, pod.log)
         if wait:
-            asyncio.run(_wait_http(f"http://{pod.address}/health", pod.proc, pod.log))
+            asyncio.run(wait_http(f"http://{pod.address}/health", pod.proc, pod.log))
 
     def kill_pod(self, i: int) -> None:
         proc = self.pods[i].proc
@@ -355,8 +319,8 @@ class Stack:
 
     def start_replica(self, r: int) -> None:
         replica = self.replicas[r]
-        replica.proc = _spawn(replica.args, replica.log)
-        _wait_grpc_ready(replica.health_port, replica.proc, replica.log)
+        replica.proc = spawn(replica.args, replica.log)
+        wait_grpc_ready(replica.ports.health, replica.proc, replica.log)
 
     def stop_replica(self, r: int) -> float:
         """SIGTERM and wait for the exit; returns how long the drain took."""
@@ -372,16 +336,8 @@ class Stack:
             self.envoy.stop()
             self.envoy = None
         for proc in [r.proc for r in self.replicas] + [p.proc for p in self.pods]:
-            if proc is None or proc.poll() is not None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)  # a hung pod must be able to die
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            if proc is not None:
+                stop_process(proc)
         for pod in self.pods:
             if pod.metrics_proxy is not None:
                 pod.metrics_proxy.stop()

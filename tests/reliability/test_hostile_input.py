@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from indexer.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
-from simulator.demo import _free_port
+from simulator.launch import free_port
 from tests.reliability.stack import (
     MODEL,
     Stack,
@@ -66,7 +66,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) 
     pub_port = rogue.bind_to_random_port("tcp://127.0.0.1")
     # Nothing serves HTTP at the rogue's address: it is unreachable, so never a candidate, but
     # its events are received and indexed like any pod's.
-    rogue_address = f"127.0.0.1:{_free_port()}"
+    rogue_address = f"127.0.0.1:{free_port()}"
     stack = Stack.start(
         tmp_path_factory.mktemp("hostile"),
         llama3_tokenizer_dir,

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +23,18 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from epp.envoy_bootstrap import render_envoy_config, start_envoy
-from simulator.demo import Processes, _free_port, _spawn, _wait_grpc_ready, _wait_http
+from simulator.launch import (
+    EppPorts,
+    PodPorts,
+    ProcessGroup,
+    epp_command,
+    free_port,
+    pod_command,
+    spawn,
+    start_loopback_envoy,
+    wait_grpc_ready,
+    wait_http,
+)
 from tests.reliability.stack import MODEL, Traffic, failures, metric, report, scrape, wait_for
 from tests.support.fake_kube import FakeKubeApiServer
 
@@ -69,7 +78,7 @@ class KubeThread:
 
 def _port_free_on_all(hosts: tuple[str, ...]) -> int:
     while True:
-        port = _free_port()
+        port = free_port()
         try:
             for host in hosts:
                 with socket.socket() as sock:
@@ -80,7 +89,7 @@ def _port_free_on_all(hosts: tuple[str, ...]) -> int:
 
 
 class Cluster:
-    def __init__(self, kube: KubeThread, procs: Processes, gateway: str, metrics: str) -> None:
+    def __init__(self, kube: KubeThread, procs: ProcessGroup, gateway: str, metrics: str) -> None:
         self.kube = kube
         self.procs = procs
         self.gateway = gateway
@@ -101,39 +110,18 @@ def cluster(
 ) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("kube")
     kube = KubeThread()
-    procs = Processes()
+    procs = ProcessGroup()
     try:
         http, pub, replay = (_port_free_on_all(HOSTS) for _ in range(3))
         for i, host in enumerate(HOSTS):
             log = work / f"pod-{i}.log"
-            procs.add(
-                f"pod-{i}",
-                _spawn(
-                    [
-                        sys.executable,
-                        "-m",
-                        "simulator",
-                        "--host",
-                        host,
-                        "--port",
-                        str(http),
-                        "--model",
-                        MODEL,
-                        "--tokenizer",
-                        str(llama3_tokenizer_dir),
-                        "--speedup",
-                        "20",
-                        "--kv-events-port",
-                        str(pub),
-                        "--replay-port",
-                        str(replay),
-                        "--log-level",
-                        "warning",
-                    ],
-                    log,
-                ),
+            ports = PodPorts(http, pub, replay, host)
+            options = ["--speedup", "20", "--log-level", "warning"]
+            command = pod_command(
+                ports, model=MODEL, tokenizer=llama3_tokenizer_dir, seed=0, options=options
             )
-            asyncio.run(_wait_http(f"http://{host}:{http}/health", procs.procs[-1][1], log))
+            proc = procs.add(f"pod-{i}", spawn(command, log))
+            asyncio.run(wait_http(f"http://{ports.address}/health", proc, log))
         kube.call(kube.server.put_pool, "pool", match_labels=LABELS, ports=[http])
         kubeconfig = work / "kubeconfig"
         kubeconfig.write_text(
@@ -153,64 +141,36 @@ def cluster(
         cluster = Cluster(kube, procs, "", "")
         for i in range(2):
             cluster.put_pod(i)
-        grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+        epp_ports = EppPorts.free()
         epp_log = work / "epp.log"
+        serve_options = [
+            "--pool-name",
+            "pool",
+            "--pool-namespace",
+            "default",
+            "--kv-events-port",
+            str(pub),
+            "--kv-events-replay-port",
+            str(replay),
+            "--drain-timeout",
+            "1s",
+        ]
         previous = os.environ.get("KUBECONFIG")
         os.environ["KUBECONFIG"] = str(kubeconfig)
         try:
-            epp = _spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "epp.cli",
-                    "--log-level",
-                    "warning",
-                    "serve",
-                    "--host",
-                    "127.0.0.1",
-                    "--grpc-port",
-                    str(grpc_port),
-                    "--grpc-health-port",
-                    str(health_port),
-                    "--metrics-port",
-                    str(metrics_port),
-                    "--pool-name",
-                    "pool",
-                    "--pool-namespace",
-                    "default",
-                    "--kv-events-port",
-                    str(pub),
-                    "--kv-events-replay-port",
-                    str(replay),
-                    "--drain-timeout",
-                    "1s",
-                ],
-                epp_log,
-            )
+            epp = spawn(epp_command(epp_ports, serve_options, log_level="warning"), epp_log)
         finally:
             if previous is None:
                 os.environ.pop("KUBECONFIG", None)
             else:
                 os.environ["KUBECONFIG"] = previous
         procs.add("epp", epp)
-        _wait_grpc_ready(health_port, epp, epp_log)
-        listen, admin = _free_port(), _free_port()
-        procs.envoy = start_envoy(
-            render_envoy_config(
-                listen_port=listen,
-                extproc_port=grpc_port,
-                admin_port=admin,
-                listen_host="127.0.0.1",
-                admin_host="127.0.0.1",
-                expose_upstream_host=True,
-            ),
-            admin_port=admin,
-            listen_port=listen,
-            workdir=work,
-            log_level="error",
+        wait_grpc_ready(epp_ports.health, epp, epp_log)
+        procs.envoy = start_loopback_envoy(
+            epp_ports.grpc, work, log_level="error", expose_upstream_host=True
         )
-        cluster.gateway = f"http://127.0.0.1:{listen}"
-        cluster.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        cluster.gateway = f"http://127.0.0.1:{procs.envoy.listen_port}"
+        cluster.metrics = epp_ports.metrics_url
         wait_for(lambda: cluster.ready_pods() == 2, "both pods discovered")
         yield cluster
     finally:
