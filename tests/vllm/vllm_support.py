@@ -31,6 +31,14 @@ from typing import Any, TypeVar
 import msgpack
 import zmq
 
+from simulator.launch import (
+    EppPorts,
+    epp_command,
+    spawn,
+    start_loopback_envoy,
+    stop_process,
+    wait_grpc_ready,
+)
 from tests.support.ports import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -516,8 +524,6 @@ class Gateway:
     def start(
         cls, workdir: Path, servers: Iterable[ServerSpec], hash_algo: str, hash_seed: str | None
     ) -> Gateway:
-        from epp.envoy_bootstrap import render_envoy_config, start_envoy
-
         endpoints = [
             {
                 "address": s.address,
@@ -529,92 +535,28 @@ class Gateway:
         ]
         (workdir / "endpoints.yaml").write_text(json.dumps(endpoints))  # JSON is YAML
         (workdir / "epp.yaml").write_text(epp_config(hash_algo, hash_seed))
-        grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
-        with (workdir / "epp.log").open("wb") as log:
-            epp = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "epp.cli",
-                    "serve",
-                    "--host",
-                    "127.0.0.1",
-                    "--grpc-port",
-                    str(grpc_port),
-                    "--grpc-health-port",
-                    str(health_port),
-                    "--metrics-port",
-                    str(metrics_port),
-                    "--endpoints-file",
-                    str(workdir / "endpoints.yaml"),
-                    "--config-file",
-                    str(workdir / "epp.yaml"),
-                    "--drain-timeout",
-                    "1s",
-                ],
-                cwd=PROJECT_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=os.environ | {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"},
-            )
-        envoy = None
+        ports = EppPorts.free()
+        serve_options = [
+            "--endpoints-file",
+            str(workdir / "endpoints.yaml"),
+            "--config-file",
+            str(workdir / "epp.yaml"),
+            "--drain-timeout",
+            "1s",
+        ]
+        log = workdir / "epp.log"
+        epp = spawn(epp_command(ports, serve_options), log)
         try:
-            _wait_grpc_serving(health_port, epp, workdir / "epp.log")
-            listen_port, admin_port = free_port(), free_port()
-            envoy = start_envoy(
-                render_envoy_config(
-                    listen_port=listen_port,
-                    extproc_port=grpc_port,
-                    admin_port=admin_port,
-                    listen_host="127.0.0.1",
-                ),
-                admin_port=admin_port,
-                listen_port=listen_port,
-                workdir=workdir,
-                log_level="warning",
-            )
+            wait_grpc_ready(ports.health, epp, log, timeout=120)
+            envoy = start_loopback_envoy(ports.grpc, workdir)
         except BaseException:
-            _terminate(epp)
+            stop_process(epp, timeout=15)
             raise
-        return cls(workdir, epp, envoy, metrics_port)
+        return cls(workdir, epp, envoy, ports.metrics)
 
     def stop(self) -> None:
         self.envoy.stop()
-        _terminate(self.epp)
-
-
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def _wait_grpc_serving(
-    port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120.0
-) -> None:
-    """Until the EPP's gRPC health service says its ``readiness`` is SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the EPP exited early; its log:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(grpc.RpcError):
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"EPP not ready after {timeout:.0f}s:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.2)
+        stop_process(self.epp, timeout=15)
 
 
 # ---------------------------------------------------------------------------------------------
