@@ -120,6 +120,11 @@ class PrecisePrefixParameters(BaseModel):
     maxIndexEntries: int = Field(default=DEFAULT_MAX_ENTRIES, ge=1_000)
     selfCheck: bool = True
     """Recompute the pods' hashes from their events and re-key pods that disagree."""
+    selfCheckBlocks: int | None = Field(default=10_000, ge=1)
+    """With ``selfCheck``: trust a pod's later events once this many of its blocks verified with
+    no mismatch (until it restarts, the only time its hash configuration can change); null checks
+    every event.  Checking costs about four times the ingestion of an unchecked block; a pod
+    that disagrees is re-keyed for good, whatever this says."""
     kvEvents: KVEventsParameters = Field(default_factory=KVEventsParameters)
     speculativeIndexing: bool = False
     """Record each routed request's blocks as predicted on its endpoint until its events arrive
@@ -258,6 +263,7 @@ class PrecisePrefixCacheScorer(Plugin):
             max_entries=self.p.maxIndexEntries,
             hash_config=config if self.p.selfCheck else None,
             tier_weights=self.p.tierWeights or None,
+            self_check_blocks=self.p.selfCheckBlocks,
         )
         logger.info(
             "precise prefix index: block size %d, hash %s, PYTHONHASHSEED %s",

@@ -181,6 +181,25 @@ def test_pod_with_a_different_seed_is_rekeyed_and_still_found() -> None:
     assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
 
 
+@pytest.mark.parametrize(("limit", "verified"), [(8, 8), (None, 24)])
+def test_self_check_stops_after_self_check_blocks_verified(
+    limit: int | None, verified: int
+) -> None:
+    plugin = _plugin({"blockSize": 4, "selfCheckBlocks": limit})
+    rng = random.Random(2)
+    for _ in range(3):
+        plugin.apply(A, _stored([rng.randrange(50_000) for _ in range(32)], block_size=4))
+    index = plugin.index
+    assert index is not None
+    assert (index.verified_blocks_total, index.unchecked_blocks_total) == (verified, 24 - verified)
+    # A pod that restarted with another seed is checked again, and re-keyed.
+    plugin.clear_endpoint(A)
+    tokens = [rng.randrange(50_000) for _ in range(32)]
+    plugin.apply(A, _stored(tokens, block_size=4, seed="42"))
+    assert index.mismatches == {A: 1}
+    assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
+
+
 def test_missing_tokenizer_degrades_to_no_prefix_information() -> None:
     plugin = _plugin({"blockSize": 16})
     request = _chat([{"role": "user", "content": "hello"}])
@@ -231,6 +250,7 @@ def test_endpoint_removal_drops_its_entries() -> None:
         ({"blockSize": 0}, "blockSize"),
         ({"kvEvents": {"mode": "p2p"}}, "kvEvents.mode"),
         ({"nope": 1}, "nope"),
+        ({"selfCheckBlocks": 0}, "selfCheckBlocks"),
     ],
 )
 def test_bad_parameters_name_the_field(params: dict[str, Any], field: str) -> None:
