@@ -25,11 +25,14 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
   fetches the pod's buffer from seq 0, so blocks cached before the EPP connected are known too.
   This also covers PUB/SUB's slow joiner: messages published before the subscription reached the
   pod are lost (§4.5).
-* Reconnection (per-endpoint SUBs): when a SUB connects again after losing its pod (the pod was
+* Connection (per-endpoint SUBs): an idle pod may publish nothing for a long time, so waiting
+  for its first message would leave what it cached before the EPP started unknown.  The first
+  connection of a SUB therefore fetches the pod's buffer from seq 0 at once, unless a live
+  message came first.  When a SUB connects again after losing its pod (the pod was
   killed and started again, or the network dropped), the batches published meanwhile were lost
   and the pod may be a new process whose seq restarted below what was seen: its next batch may
   come much later, or show as a plain gap.  So each reconnection fetches the pod's buffer from
-  seq 0 at once (``resync``): a buffer that ends below the last seq seen live means the pod
+  seq 0 at once too (``resync``): a buffer that ends below the last seq seen live means the pod
   restarted (its blocks are dropped, then the buffer applied); otherwise whatever is new in it
   fills the hole.  Without a replay URL nothing can be told until the next batch arrives.
 
@@ -192,7 +195,7 @@ class FeedStats:
     replays_failed: int = 0  # timed out or failed on the socket
     replays_rate_limited: int = 0  # gaps or first contacts not replayed (replay budget spent)
     restarts_detected: int = 0
-    resyncs: int = 0  # buffer fetches after a reconnection (see the module docstring)
+    resyncs: int = 0  # buffer fetches on (re)connection (see the module docstring)
     sink_errors: int = 0  # the sink raised; the batch is lost to it
     held_messages_dropped: int = 0  # see SubscriberConfig.max_held_messages
     # time.monotonic() of the last live message; None until one arrives.  For the caller's
@@ -526,12 +529,13 @@ class _EndpointFeed:
 
     # Resync after a reconnection ---------------------------------------------------------------
 
-    def reconnected(self) -> None:
-        """The SUB connected to the pod again: fetch its buffer to see what was missed."""
+    def connected(self, *, first: bool) -> None:
+        """The SUB connected to the pod (``first``) or connected again: fetch its buffer, to
+        learn what it cached before the EPP listened or what was missed while disconnected."""
         if self._closed or self._dealer is None or self._replay_task is not None:
             return
-        if self._expected is None:
-            return  # nothing seen yet: the first message does a first-contact replay anyway
+        if first and (self._expected is not None or not self._config.replay_on_first_contact):
+            return  # a live message arrived first and its first-contact replay did the work
         if not self._take_replay_token():
             return
         self.stats.replays_requested += 1
@@ -544,7 +548,7 @@ class _EndpointFeed:
         except (TimeoutError, zmq.ZMQError) as exc:
             self.stats.replays_failed += 1
             log.warning(
-                "KV events from %s: resync after reconnecting failed (%s)",
+                "KV events from %s: fetching its replay buffer after connecting failed (%s)",
                 self.endpoint,
                 "no reply in time" if isinstance(exc, TimeoutError) else exc,
             )
@@ -557,7 +561,9 @@ class _EndpointFeed:
             buffered = []
         if buffered:
             top = buffered[-1][0]
-            if self._last_live is not None and top < self._last_live:
+            if self._expected is None:  # first connection, nothing live yet
+                self._expected = buffered[0][0]
+            elif self._last_live is not None and top < self._last_live:
                 self.stats.restarts_detected += 1
                 log.warning(
                     "KV events from %s: after reconnecting, the pod's events end at seq %d, "
@@ -946,7 +952,7 @@ class SubscriberPool(_Subscriber):
         self._subs[endpoint] = (pub_url, sub, task, monitor)
 
     async def _watch_connections(self, monitor: zmq.asyncio.Socket, feed: _EndpointFeed) -> None:
-        """Tell the feed about every connection after the first (see ``resync``)."""
+        """Tell the feed about every connection (see ``resync``)."""
         connections = 0
         try:
             while True:
@@ -955,8 +961,7 @@ class SubscriberPool(_Subscriber):
                 if event["event"] != zmq.EVENT_CONNECTED:
                     continue
                 connections += 1
-                if connections > 1:
-                    feed.reconnected()
+                feed.connected(first=connections == 1)
         except zmq.ZMQError:
             return  # the monitor was closed with its socket
 

@@ -290,6 +290,25 @@ async def test_in_order_delivery_with_history_from_replay(
     assert stats.last_message_time is not None
 
 
+async def test_an_idle_pods_history_is_fetched_when_the_sub_connects(
+    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """A pod that cached blocks before the EPP started and then stays idle: its buffer is fetched
+    as soon as the SUB connects, not at its next batch (which may never come)."""
+    pod = await new_pod()
+    for _ in range(5):
+        await pod.publish(live=False)  # before anyone subscribed
+    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+    await wait_until(lambda: sink.applied("pod-a") == [0, 1, 2, 3, 4], "the buffer fetched")
+    assert pod.replay_requests == [0]
+    # The live stream then continues from there, each batch once.
+    last = await publish_and_wait(pod, sink, "pod-a", 3)
+    assert sink.applied("pod-a") == list(range(last + 1))
+    stats = pool.endpoint_stats("pod-a")
+    assert stats is not None
+    assert (stats.resyncs, stats.gaps_detected, stats.restarts_detected) == (1, 0, 0)
+
+
 async def test_live_messages_during_a_replay_are_held_and_applied_once_in_order(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:

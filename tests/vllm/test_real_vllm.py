@@ -405,12 +405,6 @@ def test_epp_reads_the_load_and_cache_config_vllm_reports(servers: dict[str, VLL
     assert metrics.waiting_requests == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="indexer.subscriber fetches a pod's replay buffer only when the pod's first live "
-    "batch arrives, so an EPP started after an idle pod cached blocks does not know them until "
-    "that pod publishes again",
-)
 def test_epp_started_after_the_servers_knows_what_they_cached(
     servers: dict[str, VLLMServer], gateway: Gateway
 ) -> None:
@@ -422,8 +416,7 @@ def test_epp_started_after_the_servers_knows_what_they_cached(
 def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
     servers: dict[str, VLLMServer], gateway: Gateway, feed: IndexFeed
 ) -> None:
-    # Each server publishes a batch, which makes the EPP (and the in-process index, which starts
-    # here) fetch its replay buffer from seq 0: see the xfail above.
+    # Each server publishes a batch, so the tests below start from live traffic on both.
     for name, server in servers.items():
         server.completion(text(ord(name), 30), max_tokens=1)
     # The scenario: the first request goes wherever the EPP sends it, the second
