@@ -51,6 +51,7 @@ from epp.director import Director
 from epp.extproc import start_extproc_server
 from indexer.events import BlockStored, KVEventBatch, encode_batch
 from indexer.hashing import block_hashes
+from indexer.subscriber import _EndpointFeed
 from indexer.tokenization import PromptTokenizer
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from scorers.base import EndpointMetrics, PluginContext
@@ -279,6 +280,24 @@ def _publisher(url_queue: Any, seconds: float, batches_sent: Any, rate: float) -
     ctx.term()
 
 
+_UNTIMED_ON_MESSAGE = _EndpointFeed.on_message
+
+
+def _time_ingestion() -> list[float]:
+    """Counts the CPU time (of the event loop's thread) spent handling KV-event messages, from
+    receipt to the index: decoding, sequencing and indexing.  ``epp_cores_used`` also holds
+    the decisions made meanwhile; this isolates what ingestion itself costs."""
+    spent = [0.0]
+
+    def timed(feed: _EndpointFeed, frames: list[bytes]) -> None:
+        started = time.thread_time()
+        _UNTIMED_ON_MESSAGE(feed, frames)
+        spent[0] += time.thread_time() - started
+
+    _EndpointFeed.on_message = timed  # type: ignore[method-assign]
+    return spent
+
+
 async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[str, Any]:
     """``rate``: batches of 1,024 blocks per second offered (0: as fast as the EPP takes them)."""
     server = Server(16, tok_dir)
@@ -292,14 +311,18 @@ async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[st
         loop = asyncio.get_running_loop()
         url = await loop.run_in_executor(None, url_queue.get, True, 30)
         assert await loop.run_in_executor(None, url_queue.get, True, 120) == "built"
+        ingest_cpu = _time_ingestion()
         server.datastore.upsert(EndpointSpec(address="10.9.9.9:8000", kv_events_url=url))
         bodies = _warm_bodies(tok_dir, server)
         await asyncio.sleep(1.5)
         stats = server.plugin._subscriber.stats  # a benchmark reads the counters
         events_before = stats.events
+        cpu_before = ingest_cpu[0]
         samples, wall, cpu = await _drive(server.port, bodies, seconds, streams=8)
         events = server.plugin._subscriber.stats.events - events_before
+        ingest_cores = (ingest_cpu[0] - cpu_before) / wall
     finally:
+        _EndpointFeed.on_message = _UNTIMED_ON_MESSAGE  # type: ignore[method-assign]
         await asyncio.get_running_loop().run_in_executor(None, publisher.join, 60)
         await server.stop()
     blocks = events * 16 / wall
@@ -308,6 +331,8 @@ async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[st
         "blocks_indexed_per_s": blocks,
         "epp_cores_used": cores,
         "blocks_per_s_per_core": blocks / cores if cores else None,
+        "ingestion_cores": ingest_cores,
+        "blocks_per_ingestion_core_s": blocks / ingest_cores if ingest_cores else None,
         "decisions_per_s_meanwhile": len(samples) / wall,
         **{f"decision_{k}": v for k, v in _percentiles(samples).items()},
     }
@@ -378,6 +403,8 @@ def main() -> int:
             print(
                 f"\ningestion while serving ({label}): {row['blocks_indexed_per_s']:,.0f} blocks/s on "
                 f"{row['epp_cores_used']:.2f} cores = {row['blocks_per_s_per_core']:,.0f}/s per core; "
+                f"ingestion itself used {row['ingestion_cores']:.2f} cores = "
+                f"{row['blocks_per_ingestion_core_s']:,.0f} blocks/s per core; "
                 f"{row['decisions_per_s_meanwhile']:.0f} decisions/s meanwhile, "
                 f"p50 {row['decision_p50_ms']:.1f} ms, p99 {row['decision_p99_ms']:.1f} ms"
             )
