@@ -47,8 +47,10 @@ connection and does not reconnect it: that pod's events stop, as for a pod that 
 publishing, until it is re-added); and replays are
 rate-limited per endpoint (a burst of ``replay_burst``, then one per ``replay_interval_s``), so a
 pod sending forged sequence numbers (jumps, or seqs going back, which look like restarts) cannot
-make the EPP replay its buffer in a loop: gaps beyond the budget are counted as unrecovered and
-the stream continues from the live seq.
+make the EPP replay its buffer in a loop.  Gaps beyond the budget do not stop the stream: it
+continues from the live seq, and once the budget allows, one replay from the earliest seq
+missed since re-applies everything from there in order (``repair``), so a lossy link costs one
+replay per ``replay_interval_s`` and the index still converges.
 """
 
 from __future__ import annotations
@@ -379,6 +381,11 @@ class _EndpointFeed:
         self._replay_task: asyncio.Task[None] | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._closed = False
+        # Gaps met while the replay budget was spent: the earliest seq missed since, how many
+        # gaps, and the timer that repairs them when the budget allows (see `_defer_repair`).
+        self._repair_from: int | None = None
+        self._repair_gaps = 0
+        self._repair_timer: asyncio.TimerHandle | None = None
         # Replay budget (token bucket): tokens left and when they were last topped up.
         self._replay_tokens = float(config.replay_burst)
         self._replay_refilled = time.monotonic()
@@ -402,6 +409,7 @@ class _EndpointFeed:
 
     def close(self) -> None:
         self._closed = True
+        self._cancel_repair()
         if self._replay_task is not None:
             self._replay_task.cancel()
             self._replay_task = None
@@ -455,6 +463,10 @@ class _EndpointFeed:
                     seq,
                 )
                 self._start_replay(expected, seq, payload, gap=True)
+            elif self._dealer is not None:
+                self._defer_repair(expected)
+                self._last_live = seq
+                self._apply(seq, payload)
             else:
                 self.stats.gaps_unrecovered += 1
                 if self.stats.gaps_unrecovered == 1 or _log_spaced(self.stats.gaps_unrecovered):
@@ -465,9 +477,7 @@ class _EndpointFeed:
                         seq - expected,
                         expected,
                         seq - 1,
-                        "no replay endpoint is configured"
-                        if self._dealer is None
-                        else "its replay budget is spent",
+                        "no replay endpoint is configured",
                         self.stats.gaps_unrecovered,
                     )
                 self._last_live = seq
@@ -583,9 +593,7 @@ class _EndpointFeed:
                 self._apply(seq, payload)
                 self.stats.batches_replayed += 1
         self._replay_task = None
-        held, self._held = self._held, []
-        for seq, payload in held:
-            self._handle_live(seq, payload)
+        self._release_held()
 
     async def _fetch_buffer(self) -> list[tuple[int, bytes]]:
         """The pod's whole replay buffer, in seq order."""
@@ -606,6 +614,89 @@ class _EndpointFeed:
                 out.sort(key=lambda item: item[0])
                 return out
             out.append(reply)
+
+    # Repair of gaps the budget could not replay at once ------------------------------------------
+
+    def _defer_repair(self, missed_from: int) -> None:
+        """A gap while the replay budget is spent: the live stream goes on with the hole, and
+        once the budget allows, one replay from the earliest missed seq re-applies everything
+        since in order.  Re-applying batches already applied is safe in order: each block ends
+        in the state its last event gave it, as on the pod.  Many gaps at once (a lossy
+        network) thus cost one replay, and the index converges instead of keeping the holes."""
+        if self._repair_from is None or missed_from < self._repair_from:
+            self._repair_from = missed_from
+        self._repair_gaps += 1
+        if self._repair_gaps == 1 or _log_spaced(self._repair_gaps):
+            log.warning(
+                "KV events from %s: %d gap(s) since seq %d with the replay budget spent; "
+                "repairing them with one replay when it allows",
+                self.endpoint,
+                self._repair_gaps,
+                self._repair_from,
+            )
+        self._schedule_repair()
+
+    def _schedule_repair(self) -> None:
+        if self._repair_timer is None and not self._closed:
+            # One token is back within replay_interval_s at the latest.
+            self._repair_timer = asyncio.get_running_loop().call_later(
+                self._config.replay_interval_s, self._start_repair
+            )
+
+    def _cancel_repair(self) -> None:
+        if self._repair_timer is not None:
+            self._repair_timer.cancel()
+            self._repair_timer = None
+        if self._repair_gaps:
+            self.stats.gaps_unrecovered += self._repair_gaps
+        self._repair_from = None
+        self._repair_gaps = 0
+
+    def _start_repair(self) -> None:
+        self._repair_timer = None
+        if self._closed or self._repair_from is None:
+            return
+        if self._replay_task is not None or not self._take_replay_token():
+            self._schedule_repair()
+            return
+        from_seq, gaps = self._repair_from, self._repair_gaps
+        self._repair_from, self._repair_gaps = None, 0
+        self.stats.replays_requested += 1
+        self._replay_task = self._spawn(
+            self._repair(from_seq, gaps), f"kv-events-repair:{self.endpoint}"
+        )
+
+    async def _repair(self, from_seq: int, gaps: int) -> None:
+        progress = _ReplayProgress()
+        try:
+            await self._fetch_replay(from_seq, progress, reapply_from=from_seq)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self.stats.replays_failed += 1
+            progress.hole = True
+            log.warning(
+                "KV events from %s: repair replay from seq %d stopped (%s)",
+                self.endpoint,
+                from_seq,
+                "no reply in time" if isinstance(exc, TimeoutError) else exc,
+            )
+            self._reset_dealer()
+        except Exception:
+            self.stats.replays_failed += 1
+            progress.hole = True
+            log.exception("KV events from %s: repair replay failed unexpectedly", self.endpoint)
+            self._reset_dealer()
+        if progress.hole:
+            self.stats.gaps_unrecovered += gaps
+            log.warning(
+                "KV events from %s: the replay buffer no longer holds all of seq %d and later; "
+                "the index may keep blocks the pod evicted",
+                self.endpoint,
+                from_seq,
+            )
+        else:
+            self.stats.gaps_recovered += gaps
+        self._replay_task = None
+        self._release_held()
 
     # Replay -----------------------------------------------------------------------------------
 
@@ -661,15 +752,24 @@ class _EndpointFeed:
         if self._expected < live_seq:
             self._expected = live_seq  # accept the hole: continue with the held live message
         self._replay_task = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Live messages held during a replay, in arrival order.  A new gap among them starts
+        another replay; `_handle_live` then holds the rest again, in order."""
         held, self._held = self._held, []
         for seq, payload in held:
-            # A new gap among the held messages starts another replay; _handle_live then holds
-            # the rest again, in order.
             self._handle_live(seq, payload)
 
-    async def _fetch_replay(self, from_seq: int, progress: _ReplayProgress) -> None:
+    async def _fetch_replay(
+        self, from_seq: int, progress: _ReplayProgress, *, reapply_from: int | None = None
+    ) -> None:
         """Request the pod's buffer from ``from_seq`` and deliver each batch that extends
-        ``_expected``, until the end marker."""
+        ``_expected``, until the end marker.  With ``reapply_from`` (a repair), batches from
+        that seq up to ``_expected`` are delivered again too, in order; a missing one is a
+        hole."""
+        reapply_upto = self._expected if reapply_from is not None else None
+        next_reapplied = reapply_from
         dealer = self._dealer
         assert dealer is not None
         timeout = self._config.replay_timeout_s
@@ -684,14 +784,23 @@ class _EndpointFeed:
                 continue
             seq, payload = reply
             if seq == END_OF_REPLAY:
+                if next_reapplied is not None and reapply_upto is not None:
+                    progress.hole |= next_reapplied < reapply_upto  # the buffer ended early
                 return
             assert self._expected is not None
-            if seq < self._expected:
+            if next_reapplied is not None and reapply_upto is not None and seq < reapply_upto:
+                if seq < next_reapplied:
+                    continue
+                progress.hole |= seq > next_reapplied  # evicted from the buffer meanwhile
+                next_reapplied = seq + 1
+                self._deliver(seq, payload)
+            elif seq < self._expected:
                 self.stats.duplicates_dropped += 1
                 continue
-            if seq > self._expected:
-                progress.hole = True  # the buffer starts after what we need, or skips seqs
-            self._apply(seq, payload)
+            else:
+                if seq > self._expected:
+                    progress.hole = True  # the buffer starts after what we need, or skips seqs
+                self._apply(seq, payload)
             self.stats.batches_replayed += 1
             progress.delivered += 1
             if progress.delivered % self._config.yield_every == 0 or (
@@ -716,6 +825,9 @@ class _EndpointFeed:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self._expected = seq + 1
+        self._deliver(seq, payload)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
         if len(payload) > self._config.max_batch_bytes:
             self.stats.oversized_batches += 1
             if _log_spaced(self.stats.oversized_batches):
@@ -757,6 +869,7 @@ class _EndpointFeed:
         self.stats.events += len(batch.events)
 
     def _clear(self) -> None:
+        self._cancel_repair()  # whatever was missed belonged to the old cache
         try:
             self._sink.clear_endpoint(self.endpoint)
         except Exception:

@@ -366,6 +366,38 @@ async def test_dropped_batch_is_recovered_by_replay_in_order(
     assert stats.batches_replayed >= 2
 
 
+async def test_gaps_beyond_the_replay_budget_are_repaired_by_one_later_replay(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """A lossy network: more gaps at once than the replay budget allows.  The stream goes on
+    with holes, then one replay from the earliest missed seq re-applies everything since, in
+    order, so the index converges instead of keeping the holes."""
+    config = SubscriberConfig(reconnect_ivl_ms=20, replay_burst=1, replay_interval_s=0.3)
+    async with SubscriberPool(sink, config) as pool:
+        pod = await new_pod()
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await publish_until_delivered(pod, sink, "pod-a")
+        await asyncio.sleep(0.35)  # one token back
+        lost = []
+        for _ in range(5):  # each gap seen on its own, faster than the budget refills
+            lost.append(await pod.publish(live=False))
+            await publish_and_wait(pod, sink, "pod-a", 1)
+        last = pod.seq - 1
+        await wait_until(lambda: set(lost) <= set(sink.applied("pod-a")), "every hole repaired")
+        applied = sink.applied("pod-a")
+        assert set(applied) == set(range(last + 1))
+        # The repair re-applied, in order, everything from the first seq it had to repair.
+        deferred = [seq for seq in lost if applied.index(seq) > applied.index(seq + 1)]
+        assert deferred, "no gap waited for the budget"
+        assert applied[-(last + 1 - deferred[0]) :] == list(range(deferred[0], last + 1))
+        stats = pool.endpoint_stats("pod-a")
+        assert stats is not None
+        assert stats.gaps_detected == 5
+        assert (stats.gaps_recovered, stats.gaps_unrecovered) == (5, 0)
+        assert stats.replays_rate_limited >= 1
+        assert len(pod.replay_requests) <= 4  # first contact + at most one per budget token
+
+
 async def test_gap_without_replay_is_counted_and_processing_continues(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
