@@ -12,6 +12,7 @@ ROUTER that never answers.  Tests run in file order and leave the fleet healthy 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.request
@@ -73,6 +74,22 @@ def _fault(stack: Stack, pod: int, path: str, body: dict[str, object] | None = N
 
 def _converged(stack: Stack, pod: int) -> bool:
     return _epp_entries(stack, pod) == true_entries(stack.pods[pod])
+
+
+@contextlib.contextmanager
+def _traffic_on(stack: Stack, pods: tuple[int, ...], rate: float) -> Iterator[list[Traffic]]:
+    """Traffic through the gateway plus traffic sent to each of ``pods`` directly: a test of
+    those pods' events must not depend on the cache-affine EPP choosing to route to them."""
+    with contextlib.ExitStack() as stack_of:
+        runs = [stack_of.enter_context(Traffic(stack.gateway, rate=rate, max_seconds=30))]
+        for i in pods:
+            direct = Traffic(f"http://{stack.pods[i].address}", rate=rate / 2, max_seconds=30)
+            runs.append(stack_of.enter_context(direct))
+        yield runs
+
+
+def _outcomes(runs: list[Traffic]) -> list:  # type: ignore[type-arg]
+    return [o for run in runs for o in run.outcomes]
 
 
 def _served_by(outcomes: list, address: str, after: float) -> list:  # type: ignore[type-arg]
@@ -143,10 +160,12 @@ def test_a_hung_pod_is_left_out_then_taken_back(stack: Stack) -> None:
         recovery = wait_for(lambda: _unreachable(stack) == 0, "the pod reachable again")
         time.sleep(1)
     outcomes = traffic.outcomes
+    # A request sent just before the resume may be decided just after it (the parked scrape is
+    # answered at once then, making the pod routable): only earlier ones count.
     routed_while_hung = [
         o
         for o in _served_by(outcomes, victim.address, hung_at + detection + 0.3)
-        if o.sent_at < resumed_at
+        if o.sent_at < resumed_at - 0.2
     ]
     assert not routed_while_hung, routed_while_hung[:5]
     stuck = [
@@ -189,14 +208,14 @@ def test_lost_batches_are_replayed_and_the_index_stays_exact(stack: Stack) -> No
     for i in lossy:
         _fault(stack, i, "/fault/config", {"drop_batch_prob": 0.1})
     try:
-        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+        with _traffic_on(stack, lossy, rate=25) as runs:
             time.sleep(4)
     finally:
         for i in lossy:
             _fault(stack, i, "/fault/config", {"drop_batch_prob": 0.0})
-    assert not failures(traffic.outcomes)
+    assert not failures(_outcomes(runs))
     # A gap shows when the next batch arrives: a little more traffic reveals the last ones.
-    with Traffic(stack.gateway, rate=25, max_seconds=30):
+    with _traffic_on(stack, lossy, rate=10):
         seconds = wait_for(
             lambda: all(_converged(stack, i) for i in lossy), "index exact despite lost batches"
         )
@@ -220,16 +239,17 @@ def test_a_pod_that_stops_publishing_is_caught_up_when_it_resumes(stack: Stack) 
         next_seq = status["publisher"]["next_seq"]
         _fault(stack, i, "/fault/config", {"stop_publishing_after": next_seq})
     try:
-        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+        with _traffic_on(stack, silent, rate=25) as runs:
             time.sleep(3)
         stale = sum(true_entries(stack.pods[i]) - _epp_entries(stack, i) for i in silent)
     finally:
         for i in silent:
             _fault(stack, i, "/fault/config", {"resume_publishing": True})
-    assert not failures(traffic.outcomes)
+    assert not failures(_outcomes(runs))
+    assert stale > 0  # the silent pods did compute blocks nobody heard of
     resumed_at = time.monotonic()
     # The next batch each publishes reveals the gap; the replay fills it.
-    with Traffic(stack.gateway, rate=25, max_seconds=30):
+    with _traffic_on(stack, silent, rate=10):
         converged = wait_for(
             lambda: all(_converged(stack, i) for i in silent), "caught up by replay", 20
         )
