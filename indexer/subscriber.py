@@ -573,7 +573,9 @@ class _EndpointFeed:
             top = buffered[-1][0]
             if self._expected is None:  # first connection, nothing live yet
                 self._expected = buffered[0][0]
-            elif self._last_live is not None and top < self._last_live:
+            elif top < self._expected - 1:
+                # Below the last seq applied, live or from an earlier fetch (a pod's buffer ends
+                # at the newest seq it published): a new process.
                 self.stats.restarts_detected += 1
                 log.warning(
                     "KV events from %s: after reconnecting, the pod's events end at seq %d, "
@@ -581,7 +583,7 @@ class _EndpointFeed:
                     "for it",
                     self.endpoint,
                     top,
-                    self._last_live,
+                    self._expected - 1,
                 )
                 self._clear()
                 self._expected = buffered[0][0]
@@ -934,6 +936,17 @@ class _Subscriber:
         for feed in self._feeds.values():
             _accumulate(total, feed.stats)
         return total
+
+    def resync(self, endpoint: str) -> bool:
+        """Fetch ``endpoint``'s replay buffer now, as after a reconnection (see ``resync`` in the
+        module docstring): for a caller that has other evidence the stream missed something, such
+        as a publisher that was silent.  Within the replay budget; nothing happens while a replay
+        of that endpoint runs or without a replay URL.  False if it is not registered."""
+        feed = self._feeds.get(endpoint)
+        if feed is None:
+            return False
+        feed.connected(first=False)
+        return True
 
     def remove_endpoint(self, endpoint: str) -> bool:
         """Stop receiving for ``endpoint``: its sockets close and its tasks are cancelled at once

@@ -20,6 +20,17 @@ Around requests: the plugin subscribes to every endpoint's KV-event publisher as
 and go (per-endpoint SUB sockets, or one bound socket the pods connect to), feeds the index, and
 drops an endpoint's entries when it is removed.  The block size is configured, or learned from the
 pods (``vllm:cache_config_info`` or the first `BlockStored`): vLLM may pick it per platform.
+
+Silent publishers (`SilentPublishers`): a pod that keeps serving but whose KV events stopped (its
+publisher thread died, a network path to the PUB port broke, libzmq dropped the connection over an
+oversized message) leaves its entries stale with no sequence gap to tell, since nothing arrives.
+The evidence that it should have published: a request this EPP routed there completed (its usage
+came back) with at least two full prompt blocks the pod did not hold (``cached_tokens``, or the
+index when the pod does not report it), so the pod computed them and vLLM published BlockStored
+before the first token.  When no batch from that pod has arrived since such a request was routed,
+``silentPublisherTimeout`` after its completion, the publisher is marked silent: logged once,
+exported, and its entries are left out of scoring (kept, not dropped: see the parameter) until a
+batch arrives, which also fetches its replay buffer again (the subscriber's resync).
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from scorers.base import (
     Plugin,
     PluginContext,
     SchedulingResult,
+    Usage,
     register,
 )
 from scorers.request_data import (
@@ -64,6 +76,10 @@ BLOCK_KEYS = "precise-prefix.keys"
 ``prepare``; read by PreRequest for predicted entries and by plugins that track blocks, such as
 ``dynamo-cost-scorer``)."""
 _KEYS = BLOCK_KEYS
+# request.data keys private to this plugin, for the silent-publisher check: when the request was
+# prepared (clock time) and how many of its leading blocks each endpoint's own events had shown.
+_PREPARED_AT = "precise-prefix.prepared-at"
+_INDEXED_BLOCKS = "precise-prefix.indexed-blocks"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -129,6 +145,18 @@ class PrecisePrefixParameters(BaseModel):
     speculativeIndexing: bool = False
     """Record each routed request's blocks as predicted on its endpoint until its events arrive
     (llm-d's option; off by default there and here, on in the project's default profile)."""
+    silentPublisherTimeout: float | None = Field(default=10.0, gt=0, le=3600)
+    """Seconds (or a duration: ``"10s"``), in (0, 3600]; null turns the check off.  A pod is
+    marked a *silent publisher* when a request routed there completed with at least two full
+    prompt blocks it did not hold, no KV-event batch from it has arrived since that request was
+    routed, and this long has passed since the completion.  The batch is published before the
+    first token, so the wait only needs to cover delivery: the default 10 s leaves room for the
+    subscriber holding live batches behind a replay (``replayTimeoutSeconds`` per frame) on a
+    loaded EPP; shorter detects sooner, at a higher risk of flagging a pod whose events were
+    merely late (harmless: the first batch restores it).  A silent pod's entries are left out of
+    scoring, not dropped: entries it evicted meanwhile are stale and new ones missing, so they
+    cannot be trusted, but most still describe its cache, and the resync when it publishes again
+    replays what it missed onto them (a pod restarted meanwhile is noticed and cleared then)."""
     speculativeTTL: float = Field(default=2.0, gt=0, le=3600)
     """How long a prediction lives, in seconds or as a duration (``"2s"``, llm-d's default).
     Long enough to cover the decision-to-event gap (queueing + the first prefill chunk + event
@@ -138,6 +166,11 @@ class PrecisePrefixParameters(BaseModel):
     @classmethod
     def _duration(cls, value: object) -> float:
         return parse_duration(value)
+
+    @field_validator("silentPublisherTimeout", mode="before")
+    @classmethod
+    def _optional_duration(cls, value: object) -> float | None:
+        return None if value is None else parse_duration(value)
 
     @field_validator("hashAlgo")
     @classmethod
@@ -217,6 +250,67 @@ class PredictedBlocks:
         self._by_endpoint.pop(endpoint, None)
 
 
+# A request's new full blocks below this are no evidence: when a whole prompt was cached, vLLM
+# recomputes its last token, and the block holding it may already be cached (no BlockStored).
+_MIN_NEW_BLOCKS = 2
+
+
+class SilentPublishers:
+    """Which endpoints' KV-event publishers are silent, from evidence that they should have
+    published (see the module docstring).  Pure: times come from the caller's clock.
+
+    Any batch resolves every piece of evidence pending for its endpoint (each was recorded at a
+    completion, after its request was routed, so before the batch), and completions come in time
+    order, so the first unresolved one has the earliest deadline: one deadline per endpoint is
+    all the state needed."""
+
+    __slots__ = ("_deadline", "_last_batch", "detected_total", "silent", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._last_batch: dict[str, float] = {}  # endpoint → clock time of its last batch
+        self._deadline: dict[str, float] = {}  # endpoint → when its oldest evidence is overdue
+        self.silent: dict[str, float] = {}  # endpoint → clock time it was marked silent
+        self.detected_total = 0
+
+    def batch_arrived(self, endpoint: str, now: float) -> bool:
+        """A batch from ``endpoint`` was applied; True if it had been marked silent."""
+        self._last_batch[endpoint] = now
+        self._deadline.pop(endpoint, None)
+        return self.silent.pop(endpoint, None) is not None
+
+    def completed(self, endpoint: str, routed_at: float, new_blocks: int, now: float) -> None:
+        """A request routed to ``endpoint`` at ``routed_at`` completed at ``now``, after the
+        pod computed ``new_blocks`` full prompt blocks it did not hold."""
+        last = self._last_batch.get(endpoint)
+        if new_blocks < _MIN_NEW_BLOCKS or last is None or last >= routed_at:
+            # Not evidence, a pod never heard from (events off: nothing of it is indexed), or
+            # the pod has published since the request was routed.
+            return
+        if endpoint not in self.silent:
+            self._deadline.setdefault(endpoint, now + self.timeout)
+
+    def check(self, now: float) -> list[str]:
+        """Mark endpoints silent whose evidence is overdue; returns the newly marked ones."""
+        if not self._deadline:
+            return []
+        marked = [endpoint for endpoint, due in self._deadline.items() if due <= now]
+        for endpoint in marked:
+            del self._deadline[endpoint]
+            self.silent[endpoint] = now
+            self.detected_total += 1
+        return marked
+
+    def forget(self, endpoint: str) -> None:
+        self._last_batch.pop(endpoint, None)
+        self._deadline.pop(endpoint, None)
+        self.silent.pop(endpoint, None)
+
+    def known(self) -> Iterable[str]:
+        """Endpoints that have published at least once."""
+        return self._last_batch.keys()
+
+
 @register("precise-prefix-cache-scorer")
 class PrecisePrefixCacheScorer(Plugin):
     """Scorer, data producer, endpoint listener and lifecycle plugin; see the module docstring."""
@@ -239,6 +333,8 @@ class PrecisePrefixCacheScorer(Plugin):
         self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
         self._warned: set[str] = set()
         self.predictions = PredictedBlocks(params.speculativeTTL)
+        timeout = params.silentPublisherTimeout
+        self.silent_publishers = None if timeout is None else SilentPublishers(timeout)
         if self._block_size is not None:
             self._configure(self._block_size)
         # Fail at start-up, not on the first request, when the hash settings are impossible.
@@ -287,10 +383,31 @@ class PrecisePrefixCacheScorer(Plugin):
             self._configure(first.block_size)
         assert self.index is not None
         self.index.apply(endpoint, batch)
+        silent = self.silent_publishers
+        if silent is not None and silent.batch_arrived(endpoint, self.context.clock()):
+            logger.info(
+                "%s: KV events from %s arrive again; its entries are used again and its replay "
+                "buffer is fetched to catch up",
+                self.name,
+                endpoint,
+            )
+            self._resync_soon(endpoint)
         if self.predictions:
             for event in batch.events:
                 if type(event) is BlockStored or type(event) is BlockRemoved:
                     self.predictions.discard(endpoint, event.block_hashes)
+
+    def _resync_soon(self, endpoint: str) -> None:
+        """Ask the subscriber to fetch the pod's replay buffer, outside the delivery call that
+        is running now (the subscriber's feed is in the middle of applying a batch)."""
+        subscriber = self._subscriber
+        if subscriber is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # batches applied outside a loop (tests, benchmarks): nothing to fetch from
+        loop.call_soon(subscriber.resync, endpoint)
 
     def clear_endpoint(self, endpoint: str) -> int:
         self.predictions.remove_endpoint(endpoint)
@@ -341,10 +458,14 @@ class PrecisePrefixCacheScorer(Plugin):
         if self.index is not None:
             self.index.remove_endpoint(endpoint.address)
         self.predictions.remove_endpoint(endpoint.address)
+        if self.silent_publishers is not None:
+            self.silent_publishers.forget(endpoint.address)
 
     # -- the request path ---------------------------------------------------------------------
 
     async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        request.data[_PREPARED_AT] = self.context.clock()
+        untrusted = self._silent_now()
         if self._block_size is None:
             self._learn_block_size(endpoints)
             if self._block_size is None:
@@ -380,14 +501,20 @@ class PrecisePrefixCacheScorer(Plugin):
             request.data[_SCORES] = {}
             return
         addresses = [ep.address for ep in endpoints]
-        matches = index.prefix_match(keys, addresses)
+        trusted = [a for a in addresses if a not in untrusted] if untrusted else addresses
+        matches = index.prefix_match(keys, trusted)
         blocks = {a: m.blocks for a, m in matches.items()}
         weighted = {a: m.weighted for a, m in matches.items()}
+        request.data[_INDEXED_BLOCKS] = dict(blocks)
+        for address in addresses:
+            if address in untrusted:  # a silent publisher: as if it held nothing
+                blocks[address] = 0
+                weighted[address] = 0.0
         predictions = self.predictions
         if predictions:
             now = self.context.clock()
             predictions.expire(now)
-            for address in predictions.endpoints(addresses):
+            for address in predictions.endpoints(trusted):
                 extended = self._extend_with_predictions(keys, address, blocks[address], now)
                 if extended > blocks[address]:
                     # Predicted blocks will be on GPU once the routed prefill runs.
@@ -430,6 +557,40 @@ class PrecisePrefixCacheScorer(Plugin):
             if profile.targets and (address := profile.targets[0].address) not in recorded:
                 recorded.add(address)
                 self.predictions.add(address, keys, now)
+
+    def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
+        """Evidence for the silent-publisher check: a completed request that made the pod
+        compute full prompt blocks it did not hold."""
+        silent = self.silent_publishers
+        block_size = self._block_size
+        routed_at = request.data.get(_PREPARED_AT)
+        if silent is None or usage is None or not block_size or routed_at is None:
+            return  # no usage: the request failed, or the response did not report it
+        if usage.cached_tokens is not None:
+            held = usage.cached_tokens // block_size
+        else:
+            indexed: dict[str, int] | None = request.data.get(_INDEXED_BLOCKS)
+            if indexed is None:
+                return  # not tokenized here: no way to tell what the pod held
+            held = indexed.get(endpoint, 0)
+        new_blocks = usage.prompt_tokens // block_size - held
+        silent.completed(endpoint, routed_at, new_blocks, self.context.clock())
+
+    def _silent_now(self) -> Mapping[str, float]:
+        """Endpoints whose publisher is silent, after marking any whose evidence is overdue."""
+        silent = self.silent_publishers
+        if silent is None:
+            return {}
+        for endpoint in silent.check(self.context.clock()):
+            logger.warning(
+                "%s: %s served a request with new prompt blocks %gs ago and has published no "
+                "KV events since it was routed; its publisher is silent, its index entries are "
+                "not used for scoring until it publishes again",
+                self.name,
+                endpoint,
+                silent.timeout,
+            )
+        return silent.silent
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         scores: Mapping[str, float] = request.data.get(_SCORES, {})
@@ -506,6 +667,24 @@ class PrecisePrefixCacheScorer(Plugin):
                 "indexing).",
                 len(self.predictions),
             )
+        silent = self.silent_publishers
+        if silent is not None:
+            now_silent = self._silent_now()
+            yield GaugeSample(
+                "inference_extension_kv_events_silent_publishers_detected",
+                "Times an endpoint's KV-event publisher was found silent: it served requests "
+                "with new prompt blocks and published nothing within silentPublisherTimeout "
+                "(cumulative).",
+                silent.detected_total,
+            )
+            for endpoint in silent.known():
+                yield GaugeSample(
+                    "inference_extension_kv_events_silent_publisher",
+                    "1 while the endpoint's KV-event publisher is silent (its index entries are "
+                    "not used for scoring), 0 once it has published.",
+                    1.0 if endpoint in now_silent else 0.0,
+                    (("endpoint", endpoint),),
+                )
         index = self.index
         if index is not None:
             yield GaugeSample(
