@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER
 from tests.reliability.stack import (
     Stack,
     Traffic,
+    chat_body,
     failures,
     metric,
     report,
@@ -258,6 +260,98 @@ def test_a_pod_that_stops_publishing_is_caught_up_when_it_resumes(stack: Stack) 
         stale_entries_while_silent=float(stale),
         caught_up_after_resume_s=time.monotonic() - resumed_at,
         converged_s=converged,
+    )
+
+
+def _chat(url: str, body: dict[str, object]) -> str:
+    """POST a chat completion; the pod that served it (Envoy's header), or "" sent directly."""
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        resp.read()
+        return str(resp.headers.get(UPSTREAM_HOST_HEADER, ""))
+
+
+def _silent_flag(stack: Stack, pod: int) -> float:
+    return metric(
+        _epp(stack),
+        "inference_extension_kv_events_silent_publisher",
+        endpoint=stack.pods[pod].address,
+    )
+
+
+def test_a_pod_serving_without_publishing_is_found_silent_then_trusted_again(
+    stack: Stack,
+) -> None:
+    """The EPP routes requests with new prompt blocks to pods whose publishers are mute; with
+    no batch since, ``silentPublisherTimeout`` (10 s, the default) after such a completion it
+    marks them silent; when they publish again they are trusted again and caught up.
+
+    The requests reach the mute pods by prefix affinity, not by luck: each mute pod first
+    caches a long system prompt of its own (sent to it directly, heard by the EPP), and every
+    request extends that prompt with a new turn; the pod that served each one is checked."""
+    silent = (0, 1)
+    run = f"silent-{time.monotonic_ns()}"
+    for i in silent:
+        _chat(f"http://{stack.pods[i].address}", chat_body(9000 + i, 0, run=run))
+    for i in silent:
+        wait_for(lambda i=i: _converged(stack, i), f"pod {i}'s own prefix indexed", 15)
+        assert _silent_flag(stack, i) == 0
+    detected_before = metric(
+        _epp(stack), "inference_extension_kv_events_silent_publishers_detected"
+    )
+    for i in silent:
+        status = _fault(stack, i, "/fault/config", {})
+        assert isinstance(status, dict)
+        _fault(
+            stack, i, "/fault/config", {"stop_publishing_after": status["publisher"]["next_seq"]}
+        )
+    try:
+        evidence_at: dict[int, float] = {}
+        for turn in range(1, 11):  # bounded: each turn is new text, so new blocks
+            for i in silent:
+                if i not in evidence_at:
+                    upstream = _chat(stack.gateway, chat_body(9000 + i, turn, run=run))
+                    if upstream == stack.pods[i].address:
+                        evidence_at[i] = time.monotonic()
+            if len(evidence_at) == len(silent):
+                break
+        assert sorted(evidence_at) == list(silent), f"routed elsewhere: {evidence_at}"
+        detected: dict[int, float] = {}
+        for i in silent:
+            wait_for(lambda i=i: _silent_flag(stack, i) == 1, f"pod {i} found silent", 60)
+            detected[i] = time.monotonic() - evidence_at[i]
+        # Only the mute pods: pod 2 kept publishing.
+        assert _silent_flag(stack, 2) == 0
+        stale = sum(true_entries(stack.pods[i]) - _epp_entries(stack, i) for i in silent)
+    finally:
+        for i in silent:
+            _fault(stack, i, "/fault/config", {"resume_publishing": True})
+    resumed_at = time.monotonic()
+    # Their next batches (traffic sent to them directly) make them trusted again and reveal the
+    # gap, which the replay fills.
+    with contextlib.ExitStack() as runs:
+        for i in silent:
+            runs.enter_context(Traffic(f"http://{stack.pods[i].address}", rate=5, max_seconds=30))
+        trusted = wait_for(
+            lambda: all(_silent_flag(stack, i) == 0 for i in silent), "trusted again", 20
+        )
+        converged = wait_for(
+            lambda: all(_converged(stack, i) for i in silent), "caught up after resuming", 20
+        )
+    detections = metric(_epp(stack), "inference_extension_kv_events_silent_publishers_detected")
+    assert detections - detected_before >= len(silent)
+    report(
+        "pods serving without publishing (silentPublisherTimeout 10 s)",
+        detected_after_first_evidence_s=max(detected.values()),
+        stale_entries_when_detected=float(stale),
+        trusted_again_after_resume_s=trusted,
+        converged_after_resume_s=time.monotonic() - resumed_at,
+        converged_wait_s=converged,
     )
 
 
