@@ -130,8 +130,11 @@ async def _one_decision(stub: Any, body: bytes) -> float:
             break
     else:
         raise RuntimeError("stream ended without a headers response")
+    # Half-close and read the stream to its end: cancelling it instead makes grpc format a
+    # traceback in this process, work the next decision would wait for.
     await queue.put(None)
-    call.cancel()
+    async for _ in call:
+        pass
     return elapsed
 
 
@@ -149,8 +152,9 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
     plugin = scheduler.plugin("precise-prefix-cache-scorer")
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     director = Director(datastore, scheduler)
-    server = await start_extproc_server(director, port=0, host="127.0.0.1")
     tok = PromptTokenizer.from_pretrained(tokenizer_dir)
+    await scheduler.start()  # loads the tokenizer, as `epp serve` does before it listens
+    server = await start_extproc_server(director, port=0, host="127.0.0.1")
     rng = random.Random(7)
     results: dict[str, Any] = {}
     try:

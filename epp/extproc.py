@@ -50,6 +50,7 @@ get ``ProcessingResponse``s back); `ExtProcServicer` is the thin grpcio adapter 
 from __future__ import annotations
 
 import enum
+import gc
 import json
 import logging
 import uuid
@@ -711,6 +712,20 @@ class ExtProcServer:
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.server.stop(grace)
+        gc.unfreeze()  # what start froze may be garbage from now on
+
+
+def settle_heap() -> None:
+    """Collect once, then hide every object alive now from the cyclic garbage collector.
+
+    What exists when the EPP starts serving (modules, the transformers tokenizers, config,
+    compiled templates: about 93,000 tracked objects in `benchmarks.decision`) lives until it
+    exits, yet every full collection walks all of it while holding the GIL, stalling decisions
+    (28-80 ms per full collection measured at start-up).  ``gc.freeze`` moves them to a
+    generation that is never examined; objects made later are collected as usual.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def start_extproc_server(
@@ -726,7 +741,8 @@ async def start_extproc_server(
     picks a free port; the result says which).  ``tls``: server credentials for a secure
     port (building them from certificate files is the caller's job); None listens in
     plaintext.  ``extra_services``: functions registering more services on the same server
-    (health, reflection)."""
+    (health, reflection).  Everything alive once it listens is frozen out of the garbage
+    collector's full collections (`settle_heap`) until `ExtProcServer.stop`."""
     settings = settings or ExtProcSettings()
     # A BUFFERED body arrives in a single message: let gRPC accept the largest body we allow.
     max_message = settings.max_body_bytes + 1024 * 1024
@@ -748,5 +764,6 @@ async def start_extproc_server(
     if bound == 0:
         raise OSError(f"ext_proc server could not bind {address}")
     await server.start()
+    settle_heap()
     logger.info("ext_proc server listening on %s:%d", host, bound)
     return ExtProcServer(server=server, port=bound)

@@ -4,6 +4,7 @@ the gRPC servicer around it over a real grpc.aio server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -727,3 +728,12 @@ async def test_grpc_servicer_round_trip_and_cancellation() -> None:
     finally:
         await server.stop(0)
     assert len(router.completions()) == 2
+
+
+async def test_serving_freezes_the_start_up_heap_until_the_server_stops() -> None:
+    server = await start_extproc_server(RecordingRouter(targets=(A,)), port=0, host="127.0.0.1")
+    try:
+        assert gc.get_freeze_count() > 0  # start-up objects are out of full collections
+    finally:
+        await server.stop(grace=None)
+    assert gc.get_freeze_count() == 0

@@ -20,6 +20,7 @@ from indexer.hashing import (
     block_digests,
     block_hashes,
     event_key,
+    event_keys,
     extra_keys_for_block,
 )
 from tests.conftest import load_vectors
@@ -204,3 +205,35 @@ def test_prefix_hasher_cache_is_bounded() -> None:
     hasher = PrefixHasher(HashConfig(block_size=4), cache_blocks=10)
     hasher.keys(list(range(400)))
     assert len(hasher._cache) == 10
+
+
+def test_prefix_hasher_cache_keys_every_kind_of_block_exactly() -> None:
+    """Compact keys (bytes), keys with extra keys, ids that do not fit uint32 (tuple keys), and
+    no cache at all: all equal the reference, cold and warm."""
+    rng = random.Random(4)
+    tokens = [rng.randrange(128_000) for _ in range(200)]
+    for algo in ("sha256", "sha256_cbor"):
+        for cache_blocks in (0, 3, 1000):
+            hasher = PrefixHasher(HashConfig(block_size=16, algo=algo), cache_blocks=cache_blocks)  # type: ignore[arg-type]
+            for _ in range(2):
+                assert hasher.keys(tokens) == block_hashes(tokens, block_size=16, algo=algo)  # type: ignore[arg-type]
+                assert hasher.keys(tokens, cache_salt="s") == block_hashes(
+                    tokens,
+                    block_size=16,
+                    algo=algo,  # type: ignore[arg-type]
+                    cache_salt="s",
+                )
+                big = [*tokens[:40], 1 << 40, *tokens[40:]]
+                assert hasher.keys(big) == block_hashes(big, block_size=16, algo=algo)  # type: ignore[arg-type]
+            assert len(hasher) <= cache_blocks
+    with pytest.raises(HashConfigError, match="cache_blocks"):
+        PrefixHasher(HashConfig(), cache_blocks=-1)
+
+
+def test_event_keys_equal_event_key_for_every_digest_width() -> None:
+    for width in (32, 16, 8):
+        digests = [random.randbytes(width) for _ in range(50)]
+        assert event_keys(digests) == [event_key(d) for d in digests]
+    mixed = [random.randbytes(32), random.randbytes(16)]
+    assert event_keys(mixed) == [event_key(d) for d in mixed]
+    assert event_keys([]) == []

@@ -653,3 +653,58 @@ def test_registry_loads_each_model_once_and_shares_it(
         registry.get("gpt-4")
     with pytest.raises(TokenizationError, match=r"'broken'.*does not exist"):
         registry.get("broken")
+
+
+# ------------------------------------------------------------------ chunks of long pieces
+
+_CHUNK_ALPHABET = [*"ab Zq \n\n  \t'1234.,!?é日本\r", " the", "don't", "I'm", "<|eot_id|>", "  x"]
+
+
+def test_long_pieces_are_cut_only_where_the_ids_cannot_change(llama3_hf: Any) -> None:
+    tok = PromptTokenizer(llama3_hf, name="chunks", chunk_chars=3)
+    assert tok._chunk_chars == 3  # the Llama-3 pre-tokenizer is one we can cut
+    rng = random.Random(11)
+    for number in range(2000):
+        text = "".join(rng.choice(_CHUNK_ALPHABET) for _ in range(rng.randint(0, 50)))
+        special = number % 2 == 0
+        expected = tok.encode_uncached(text, add_special_tokens=special)
+        assert tok.encode_text(text, add_special_tokens=special) == expected, repr(text)
+        assert tok.encode_text(text, add_special_tokens=special) == expected, repr(text)  # warm
+    assert tok.stats().cache_entries > 100  # the texts really were cut
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(_CHUNK_ALPHABET), max_size=40).map("".join),
+    size=st.integers(1, 9),
+)
+def test_chunked_tokenization_equals_whole_text_tokenization(
+    llama3_hf: Any, text: str, size: int
+) -> None:
+    tok = PromptTokenizer(llama3_hf, name="chunks", chunk_chars=size)
+    assert tok.encode_text(text, add_special_tokens=False) == tok.encode_uncached(
+        text, add_special_tokens=False
+    )
+
+
+def test_a_long_document_is_cut_into_chunks_cached_on_their_own(llama3: PromptTokenizer) -> None:
+    document = " ".join(f"word{i % 97} alpha beta" for i in range(6000))  # ~110k chars
+    assert len(document) > 10 * tokenization.CHUNK_CHARS
+    ids = llama3.encode_text(document, add_special_tokens=False)
+    assert ids == llama3.encode_uncached(document, add_special_tokens=False)
+    assert llama3.stats().cache_entries >= 10
+    # The same document with a new ending: every chunk but the last comes from the cache.
+    before = llama3.stats()
+    longer = document + " and one more sentence"
+    assert llama3.encode_text(longer, add_special_tokens=False) == llama3.encode_uncached(
+        longer, add_special_tokens=False
+    )
+    after = llama3.stats()
+    assert after.cached_tokens - before.cached_tokens > 0.8 * len(ids)
+
+
+def test_other_pre_tokenizers_are_never_cut() -> None:
+    tok = PromptTokenizer(_tiny_bpe(), name="tiny-bpe", chunk_chars=4)
+    assert tok._chunk_chars == 0
+    with pytest.raises(TokenizationError, match="chunk_chars"):
+        PromptTokenizer(_tiny_bpe(), name="tiny-bpe", chunk_chars=0)
