@@ -15,8 +15,11 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
 * ``seq > expected``: a gap (PUB drops silently when a subscriber falls behind).  Ask the pod's
   replay ROUTER (``"replay_endpoint": "tcp://*:5558"``) for everything from ``expected``, hold live
   messages meanwhile, apply the replayed batches, then the held ones, skipping duplicates.  Without
-  replay, or when the replay times out or the pod's buffer (the last 10,000 batches) no longer
-  reaches back to ``expected``, the gap is counted and the stream continues from the live seq.
+  replay, or when the replay times out, the gap is counted and the stream continues from the live
+  seq.  When the pod's buffer (the last 10,000 batches) no longer reaches back to ``expected``,
+  the lost batches may have removed blocks: the endpoint's entries are dropped and rebuilt from
+  the whole buffer (a *full resync*, ``full_resyncs``), so nothing stale is kept; this applies
+  to every fetch below too (a deferred repair, a reconnection's resync).
 * ``seq`` at or below a seq already seen live: the pod restarted (vLLM's seq restarts at 0 and no
   ``AllBlocksCleared`` is sent, §4.2), so the sink drops the endpoint's blocks first.  A restarted
   pod whose new seq overtook the old one before the EPP heard from it looks like a gap on the wire;
@@ -198,6 +201,8 @@ class FeedStats:
     replays_rate_limited: int = 0  # gaps or first contacts not replayed (replay budget spent)
     restarts_detected: int = 0
     resyncs: int = 0  # buffer fetches on (re)connection (see the module docstring)
+    # The buffer no longer reached back to a gap: entries dropped, rebuilt from the whole buffer.
+    full_resyncs: int = 0
     sink_errors: int = 0  # the sink raised; the batch is lost to it
     held_messages_dropped: int = 0  # see SubscriberConfig.max_held_messages
     # time.monotonic() of the last live message; None until one arrives.  For the caller's
@@ -588,6 +593,8 @@ class _EndpointFeed:
                 self._clear()
                 self._expected = buffered[0][0]
                 self._last_live = None
+            elif buffered[0][0] > self._expected:
+                self._rebuild_from(buffered[0][0], "fetching the buffer after reconnecting")
             for seq, payload in buffered:
                 assert self._expected is not None
                 if seq < self._expected:
@@ -769,9 +776,16 @@ class _EndpointFeed:
         """Request the pod's buffer from ``from_seq`` and deliver each batch that extends
         ``_expected``, until the end marker.  With ``reapply_from`` (a repair), batches from
         that seq up to ``_expected`` are delivered again too, in order; a missing one is a
-        hole."""
+        hole.
+
+        When the buffer no longer reaches back to ``from_seq`` (it holds the last 10,000 batches)
+        and the index already holds entries of this pod, what was lost may include removals, so
+        the entries are dropped and rebuilt from the whole buffer instead (`_rebuild_from`):
+        blocks the pod cached before the buffer's first batch are then unknown until it stores
+        them again, but no entry is stale."""
         reapply_upto = self._expected if reapply_from is not None else None
         next_reapplied = reapply_from
+        first_reply = True
         dealer = self._dealer
         assert dealer is not None
         timeout = self._config.replay_timeout_s
@@ -790,6 +804,11 @@ class _EndpointFeed:
                     progress.hole |= next_reapplied < reapply_upto  # the buffer ended early
                 return
             assert self._expected is not None
+            if first_reply:
+                first_reply = False
+                if from_seq > 0 and seq > from_seq:
+                    self._rebuild_from(seq, f"a replay from seq {from_seq}")
+                    next_reapplied = reapply_upto = None
             if next_reapplied is not None and reapply_upto is not None and seq < reapply_upto:
                 if seq < next_reapplied:
                     continue
@@ -810,6 +829,21 @@ class _EndpointFeed:
             ):
                 await asyncio.sleep(0)
                 progress.budget_end = asyncio.get_running_loop().time() + self._config.yield_after_s
+
+    def _rebuild_from(self, first_buffered: int, what: str) -> None:
+        """The pod's buffer starts at ``first_buffered``, after seqs this feed missed: drop the
+        pod's entries and apply the whole buffer from there (a full resync)."""
+        self.stats.full_resyncs += 1
+        log.warning(
+            "KV events from %s: %s found the pod's replay buffer starting at seq %d, after "
+            "batches that were missed; dropping what the index held for it and rebuilding it "
+            "from the whole buffer",
+            self.endpoint,
+            what,
+            first_buffered,
+        )
+        self._clear()
+        self._expected = first_buffered
 
     def _reset_dealer(self) -> None:
         """A fresh DEALER after a failed replay, so late replies to the abandoned request cannot

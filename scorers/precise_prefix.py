@@ -722,6 +722,11 @@ class PrecisePrefixCacheScorer(Plugin):
                 ("gaps_recovered", "Sequence gaps recovered by replay (cumulative)."),
                 ("gaps_unrecovered", "Sequence gaps that replay could not fill (cumulative)."),
                 ("restarts_detected", "Pod restarts detected by sequence resets (cumulative)."),
+                (
+                    "full_resyncs",
+                    "Endpoints whose entries were dropped and rebuilt from their whole replay "
+                    "buffer, which no longer reached back to a gap (cumulative).",
+                ),
             ):
                 yield GaugeSample(
                     f"inference_extension_kv_events_{field}", help_text, getattr(stats, field)

@@ -444,25 +444,30 @@ async def test_replay_timeout_accepts_the_gap_and_a_later_replay_still_works(
         assert (stats.gaps_detected, stats.gaps_recovered) == (2, 1)
 
 
-async def test_gap_older_than_the_replay_buffer_is_unrecovered_but_newer_batches_apply(
+async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_it(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
     pod = await new_pod(buffer_steps=4)
     pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
     await publish_until_delivered(pod, sink, "pod-a")
-    before = sink.applied("pod-a")
+    before = len(sink.calls)
 
     first_lost = await pod.publish(live=False)
     for _ in range(5):
         await pod.publish(live=False)
     last = await publish_and_wait(pod, sink, "pod-a", 1)
 
-    # The buffer held only the last 4 batches: those are applied, in order, once each.
-    assert sink.applied("pod-a") == [*before, last - 3, last - 2, last - 1, last]
+    # The buffer held only the last 4 batches: the lost ones may have removed blocks, so the
+    # pod's entries are dropped first (full resync), then those 4 applied, in order, once each.
+    assert sink.calls[before:] == [
+        ("clear", "pod-a", None),
+        *(("apply", "pod-a", (0, seq)) for seq in range(last - 3, last + 1)),
+    ]
     assert pod.replay_requests[-1] == first_lost
     stats = pool.endpoint_stats("pod-a")
     assert stats is not None
-    assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 0, 1)
+    assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
+    assert stats.full_resyncs == 1
 
 
 async def test_seq_going_back_means_restart_and_clears_before_new_batches(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from indexer.subscriber import SubscriberPool
+from indexer.subscriber import FeedStats, SubscriberConfig, SubscriberPool
 from tests.indexer import test_subscriber as _subscriber_tests
 from tests.indexer.test_subscriber import (
     PodFactory,
@@ -82,3 +82,55 @@ async def test_a_pod_restarted_before_it_published_live_is_noticed_on_reconnecti
     stats = pool.endpoint_stats("pod-a")
     assert stats is not None
     assert stats.restarts_detected == 1
+
+
+def _after_last_clear(sink: RecordingSink, endpoint: str) -> list[tuple[int, int] | None]:
+    ops = [ident for _, ep, ident in sink.calls if ep == endpoint]
+    assert None in ops, "the pod's entries were never dropped"
+    return ops[len(ops) - ops[::-1].index(None) :]
+
+
+async def test_a_deferred_repair_the_buffer_no_longer_covers_rebuilds_from_the_whole_buffer(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """Gaps beyond the replay budget are repaired later; when by then the pod's buffer no longer
+    reaches back to them, the pod's entries are dropped and rebuilt from the whole buffer, so no
+    entry the lost batches removed survives."""
+    config = SubscriberConfig(reconnect_ivl_ms=20, replay_burst=1, replay_interval_s=1.0)
+    async with SubscriberPool(sink, config) as pool:
+        pod = await new_pod(buffer_steps=4)
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+        await asyncio.sleep(1.1)  # the first connection's fetch may have spent the token
+        await pod.publish(live=False)
+        await publish_and_wait(pod, sink, "pod-a", 1)  # this gap spends the token
+        lost = await pod.publish(live=False)
+        await publish_and_wait(pod, sink, "pod-a", 5)  # repair deferred; the buffer moves on
+        await wait_until(
+            lambda: (pool.endpoint_stats("pod-a") or FeedStats()).full_resyncs == 1,
+            "the deferred repair",
+        )
+        last = await publish_and_wait(pod, sink, "pod-a", 2)
+        assert lost not in sink.applied("pod-a")
+        assert _after_last_clear(sink, "pod-a") == [(0, s) for s in range(lost + 2, last + 1)]
+
+
+async def test_a_reconnection_after_more_batches_than_the_buffer_holds_rebuilds_from_it(
+    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    pod = await new_pod(buffer_steps=4)
+    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+    await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+    seen = await publish_and_wait(pod, sink, "pod-a", 3)
+    await pod.close()
+    # The same process, reachable again after a long partition: its seq went on.
+    back = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port, buffer_steps=4)
+    back.reply_delay_s = 0.3  # the resync reads the buffer once the batches below are in it
+    back.seq = seen + 1
+    for _ in range(10):
+        await back.publish(live=False)
+    await wait_until(lambda: sink.applied("pod-a")[-1] == seen + 10, "the resync")
+    assert _after_last_clear(sink, "pod-a") == [(0, s) for s in range(seen + 7, seen + 11)]
+    stats = pool.endpoint_stats("pod-a")
+    assert stats is not None
+    assert (stats.full_resyncs, stats.restarts_detected) == (1, 0)
