@@ -416,6 +416,7 @@ def main() -> int:
                 f"\nindex memory at {row['entries']:,} entries, {name}: "
                 f"{row['bytes_per_entry']:.1f} B/entry (RSS growth)"
             )
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -11,7 +11,11 @@ a pod killed and started again, a pod restarted in place (seq back to 0), a pod 
 open fds, threads from /proc; asyncio tasks and in-flight requests from its /metrics).  At the
 end, traffic stops and the checks run at rest:
 
-* RSS growth over the second half of the run (after warm-up) is under ``--max-growth-mib``;
+* RSS growth over the second half of the run (after warm-up) is under ``--max-growth-mib``, and
+  the report lists RSS minute by minute so a plateau (the bounded caches full) is visible: the
+  prefix hasher's digest cache (`indexer.hashing.DEFAULT_CACHE_BLOCKS`, ~10 MiB), the
+  tokenizer's segment cache (`indexer.tokenization.DEFAULT_CACHE_MAX_TOKENS`, ~8 MiB), the
+  index's verified-digest cache and the index itself (bounded by ``maxIndexEntries``);
 * fds, threads and asyncio tasks at rest are back to where they were after warm-up (± slack);
 * no request is in flight, and the EPP counted exactly the requests the clients sent;
 * every pod's entries in the EPP's index equal what the pod really holds.
@@ -109,6 +113,14 @@ def _churn(stack: Stack, step: int) -> str:
     return f"pod {pod} lost 20 % of its event batches for 5 s"
 
 
+def _rss_by_minute(samples: list[Sample]) -> list[tuple[int, float]]:
+    """(minute, RSS of the last sample taken in that minute), minute 0 being the first."""
+    last: dict[int, float] = {}
+    for sample in samples:
+        last[int(sample.t_s // 60)] = sample.rss_mib
+    return sorted(last.items())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="epp-soak-"))
     tokenizer = build_llama3_tokenizer_dir(work / "tokenizer")
@@ -183,8 +195,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     half = [s for s in after_warm if s.t_s >= args.minutes * 60 / 2] or after_warm
     growth = half[-1].rss_mib - half[0].rss_mib if half else 0.0
     baseline = after_warm[0] if after_warm else samples[0]
+    by_minute = _rss_by_minute(samples)
+    last3 = (
+        [rss for minute, rss in by_minute if minute >= by_minute[-1][0] - 3] if by_minute else []
+    )
     checks = {
         "rss_growth_second_half_mib": round(growth, 1),
+        "rss_growth_last_3_min_mib": round(last3[-1] - last3[0], 1) if last3 else 0.0,
         "rss_flat": growth < args.max_growth_mib,
         "fds_back": final.fds <= baseline.fds + 8,
         "threads_back": final.threads <= baseline.threads + 4,
@@ -203,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else None,
         "churn": churn_log,
         "samples": [asdict(s) for s in samples],
+        "rss_mib_by_minute": by_minute,
         "final": asdict(final),
         "checks": checks,
         "ok": all(v for k, v in checks.items() if isinstance(v, bool)),
@@ -231,6 +249,11 @@ def main() -> int:
             f"{s['t_s']:7.0f} {s['rss_mib']:8.1f} {s['fds']:5d} {s['threads']:4d} "
             f"{s['asyncio_tasks']:6.0f} {s['index_entries']:8.0f}"
         )
+    by_minute = result["rss_mib_by_minute"]
+    print("EPP RSS by minute (MiB):")
+    for (minute, rss), previous in zip(by_minute, [None, *by_minute], strict=False):
+        delta = f"{rss - previous[1]:+6.1f}" if previous else "      "
+        print(f"  min {minute:3d}: {rss:7.1f} {delta}")
     for t, what in result["churn"]:
         print(f"  churn at {t:5.0f} s: {what}")
     print("checks:", json.dumps(result["checks"]))
