@@ -1,6 +1,6 @@
 """Decision latency of the endpoint picker, measured through its real ext_proc gRPC server.
 
-    python -m benchmarks.decision [--endpoints 16] [--requests 200] [--json OUT] [--envoy]
+    python -m benchmarks.decision [--endpoints 16] [--requests 200] [--json OUT]
 
 What is timed, per request: a gRPC client sends the ext_proc ``request_headers`` and the whole
 ``request_body`` on one stream, and the clock stops when the EPP's headers response (carrying
@@ -12,8 +12,9 @@ of which hold the shared system prompt in the KV index.
 Cases: 2k- and 8k-token chat prompts, ``cold`` (every prompt new: tokenize and hash everything)
 and ``warm`` (a shared system prompt seen before, a new user turn: DESIGN.md's "prefix seen
 recently" case).  ``schedule-only`` times the scheduler core alone (filters, scorers, picker)
-with 64 endpoints and an 8k-token prompt.  ``--envoy`` adds the latency Envoy + ext_proc add to
-a request, against the same backend reached directly.
+with 64 endpoints and an 8k-token prompt.  Everything runs in this process (no Envoy, no
+subprocess, so no process-launch helpers); Envoy's own share is TOOLCHAIN.md §1's figure
+(p50 2.0 ms per request proxied with a BUFFERED body).
 """
 
 from __future__ import annotations
