@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import tempfile
@@ -121,7 +122,25 @@ def _rss_by_minute(samples: list[Sample]) -> list[tuple[int, float]]:
     return sorted(last.items())
 
 
+# EPP counters reported at the end of the run (cumulative since it started).
+COUNTERS = (
+    "inference_objective_request_total",
+    "inference_extension_kv_events_events",
+    "inference_extension_kv_events_batches_applied",
+    "inference_extension_kv_events_gaps_detected",
+    "inference_extension_kv_events_gaps_recovered",
+    "inference_extension_kv_events_gaps_unrecovered",
+    "inference_extension_kv_events_restarts_detected",
+    "inference_extension_kv_events_full_resyncs",
+    "inference_extension_kv_events_decode_errors",
+    "inference_extension_kv_index_entries",
+    "inference_extension_kv_index_evictions",
+    "inference_extension_fail_open_decisions",
+)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_at_start = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="epp-soak-"))
     tokenizer = build_llama3_tokenizer_dir(work / "tokenizer")
     stack = Stack.start(work, tokenizer, pods=args.pods)
@@ -183,6 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 converged = False
         time.sleep(2)
         final = _sample(stack, started)
+        text = scrape(stack.replicas[0].metrics_url)
+        counters = {name: metric(text, name) for name in COUNTERS}
     finally:
         stack.stop()
 
@@ -222,6 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples": [asdict(s) for s in samples],
         "rss_mib_by_minute": by_minute,
         "final": asdict(final),
+        "counters": counters,
+        "load_average": [round(load_at_start, 2), round(os.getloadavg()[0], 2)],
         "checks": checks,
         "ok": all(v for k, v in checks.items() if isinstance(v, bool)),
     }
@@ -243,6 +266,7 @@ def main() -> int:
     result = run(args)
     print(f"soak: {result['minutes']} min at {result['rate']}/s, {result['requests']} requests")
     print(f"statuses: {result['statuses']}, p50 {result['latency_p50_ms']:.1f} ms")
+    print(f"load average at start / end: {result['load_average']}")
     print(f"{'t (s)':>7} {'RSS MiB':>8} {'fds':>5} {'thr':>4} {'tasks':>6} {'entries':>8}")
     for s in result["samples"][:: max(1, len(result["samples"]) // 20)]:
         print(
@@ -256,6 +280,14 @@ def main() -> int:
         print(f"  min {minute:3d}: {rss:7.1f} {delta}")
     for t, what in result["churn"]:
         print(f"  churn at {t:5.0f} s: {what}")
+    first, final = result["samples"][0], result["final"]
+    print(
+        f"at rest: fds {first['fds']} -> {final['fds']}, threads {first['threads']} -> "
+        f"{final['threads']}, asyncio tasks {first['asyncio_tasks']:.0f} -> "
+        f"{final['asyncio_tasks']:.0f}, in flight {final['in_flight']:.0f}"
+    )
+    for name, value in result["counters"].items():
+        print(f"  {name} {value:,.0f}")
     print("checks:", json.dumps(result["checks"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
