@@ -263,8 +263,21 @@ class PromptTokenizer:
             raise TokenizationError(
                 f"content_format must be 'auto', 'string' or 'openai', not {content_format!r}"
             )
-        if cache_max_tokens < 0 or verify_every < 0:
-            raise TokenizationError("cache_max_tokens and verify_every must be >= 0")
+        if isinstance(cache_max_tokens, bool) or not isinstance(cache_max_tokens, int):
+            raise TokenizationError(
+                f"cache_max_tokens must be an integer, got {cache_max_tokens!r}"
+            )
+        if cache_max_tokens < 0:
+            raise TokenizationError(
+                f"cache_max_tokens must be >= 0 (0 turns the segment cache off), got "
+                f"{cache_max_tokens}; each cached token costs about {CACHE_BYTES_PER_TOKEN} bytes, "
+                f"so the default {DEFAULT_CACHE_MAX_TOKENS:,} holds about "
+                f"{DEFAULT_CACHE_MAX_TOKENS * CACHE_BYTES_PER_TOKEN >> 20} MiB"
+            )
+        if verify_every < 0:
+            raise TokenizationError(
+                f"verify_every must be >= 0 (0: never re-check cached results), got {verify_every}"
+            )
         if chunk_chars < 1:
             raise TokenizationError(f"chunk_chars must be >= 1, got {chunk_chars}")
         self.name: str = name or str(getattr(hf_tokenizer, "name_or_path", "")) or "tokenizer"

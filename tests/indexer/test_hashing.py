@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
+from array import array
 from typing import Any
 
 import cbor2
@@ -228,6 +229,29 @@ def test_prefix_hasher_cache_keys_every_kind_of_block_exactly() -> None:
             assert len(hasher) <= cache_blocks
     with pytest.raises(HashConfigError, match="cache_blocks"):
         PrefixHasher(HashConfig(), cache_blocks=-1)
+
+
+def test_prefix_hasher_walks_a_cached_prefix_then_hashes_the_rest() -> None:
+    """A cached prefix is looked up, the rest hashed without lookups; a block whose parent was
+    evicted (its child still cached) and a cache smaller than one prompt give the same keys."""
+    rng = random.Random(8)
+    shared = [rng.randrange(128_000) for _ in range(16 * 6)]
+    hasher = PrefixHasher(HashConfig(block_size=16, algo="sha256"), cache_blocks=1000)
+    for i in range(4):
+        tokens = shared + [rng.randrange(128_000) for _ in range(16 * 3 + i)]
+        hits, misses = hasher.hits, hasher.misses
+        assert hasher.keys(tokens) == block_hashes(tokens, block_size=16, algo="sha256")
+        assert hasher.hits - hits == (6 if i else 0)
+        assert hasher.misses - misses == (3 if i else 9)
+    # Evict the first block only: the chain misses at block 0 and hashes on, re-storing it.
+    first = hasher.config.none_hash + array("I", shared[:16]).tobytes()
+    del hasher._cache[first]
+    assert hasher.keys(shared) == block_hashes(shared, block_size=16, algo="sha256")
+    assert first in hasher._cache
+    tiny = PrefixHasher(HashConfig(block_size=16, algo="sha256"), cache_blocks=2)
+    for _ in range(2):
+        assert tiny.keys(shared) == block_hashes(shared, block_size=16, algo="sha256")
+        assert len(tiny) == 2
 
 
 def test_event_keys_equal_event_key_for_every_digest_width() -> None:
