@@ -12,10 +12,11 @@ open fds, threads from /proc; asyncio tasks and in-flight requests from its /met
 end, traffic stops and the checks run at rest:
 
 * RSS growth over the second half of the run (after warm-up) is under ``--max-growth-mib``, and
-  the report lists RSS minute by minute so a plateau (the bounded caches full) is visible: the
-  prefix hasher's digest cache (`indexer.hashing.DEFAULT_CACHE_BLOCKS`, ~10 MiB), the
-  tokenizer's segment cache (`indexer.tokenization.DEFAULT_CACHE_MAX_TOKENS`, ~8 MiB), the
-  index's verified-digest cache and the index itself (bounded by ``maxIndexEntries``);
+  the report lists RSS minute by minute, next to the sizes of the bounded caches the EPP
+  exports (``inference_extension_prefix_hasher_cached_blocks``: at most
+  `indexer.hashing.DEFAULT_CACHE_BLOCKS`, ~10 MiB; ``inference_extension_tokenizer_cache_tokens``:
+  at most `indexer.tokenization.DEFAULT_CACHE_MAX_TOKENS`, ~8 MiB; the index's entries, bounded
+  by ``maxIndexEntries``), so a plateau (the caches full) is told apart from a leak;
 * fds, threads and asyncio tasks at rest are back to where they were after warm-up (± slack);
 * no request is in flight, and the EPP counted exactly the requests the clients sent;
 * every pod's entries in the EPP's index equal what the pod really holds.
@@ -52,6 +53,8 @@ class Sample:
     in_flight: float
     requests_total: float
     index_entries: float
+    hasher_blocks: float
+    tokenizer_tokens: float
 
 
 def _proc_status(pid: int) -> tuple[float, int]:
@@ -78,6 +81,8 @@ def _sample(stack: Stack, started: float) -> Sample:
         in_flight=metric(text, "inference_objective_running_requests"),
         requests_total=metric(text, "inference_objective_request_total"),
         index_entries=metric(text, "inference_extension_kv_index_entries"),
+        hasher_blocks=metric(text, "inference_extension_prefix_hasher_cached_blocks"),
+        tokenizer_tokens=metric(text, "inference_extension_tokenizer_cache_tokens"),
     )
 
 
@@ -120,6 +125,14 @@ def _rss_by_minute(samples: list[Sample]) -> list[tuple[int, float]]:
     for sample in samples:
         last[int(sample.t_s // 60)] = sample.rss_mib
     return sorted(last.items())
+
+
+def _last_by_minute(samples: list[Sample]) -> list[Sample]:
+    """The last sample of every minute, in order."""
+    last: dict[int, Sample] = {}
+    for sample in samples:
+        last[int(sample.t_s // 60)] = sample
+    return [last[minute] for minute in sorted(last)]
 
 
 # EPP counters reported at the end of the run (cumulative since it started).
@@ -242,6 +255,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "churn": churn_log,
         "samples": [asdict(s) for s in samples],
         "rss_mib_by_minute": by_minute,
+        "caches_by_minute": [
+            (int(x.t_s // 60), x.hasher_blocks, x.tokenizer_tokens, x.index_entries)
+            for x in _last_by_minute(samples)
+        ],
         "final": asdict(final),
         "counters": counters,
         "load_average": [round(load_at_start, 2), round(os.getloadavg()[0], 2)],
@@ -274,10 +291,18 @@ def main() -> int:
             f"{s['asyncio_tasks']:6.0f} {s['index_entries']:8.0f}"
         )
     by_minute = result["rss_mib_by_minute"]
-    print("EPP RSS by minute (MiB):")
+    print(
+        "EPP RSS by minute (MiB), with the bounded caches: prefix-hasher blocks, tokenizer "
+        "segment-cache tokens, index entries"
+    )
+    caches = {minute: rest for minute, *rest in result["caches_by_minute"]}
     for (minute, rss), previous in zip(by_minute, [None, *by_minute], strict=False):
         delta = f"{rss - previous[1]:+6.1f}" if previous else "      "
-        print(f"  min {minute:3d}: {rss:7.1f} {delta}")
+        blocks, tokens, entries = caches.get(minute, (0.0, 0.0, 0.0))
+        print(
+            f"  min {minute:3d}: {rss:7.1f} {delta}   hasher {blocks:8,.0f}  "
+            f"tokenizer {tokens:10,.0f}  index {entries:8,.0f}"
+        )
     for t, what in result["churn"]:
         print(f"  churn at {t:5.0f} s: {what}")
     first, final = result["samples"][0], result["final"]

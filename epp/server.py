@@ -48,7 +48,9 @@ from epp.scheduler import Scheduler
 from epp.scraping import DEFAULT_FAILURE_THRESHOLD, DEFAULT_UNREACHABLE_AFTER, MetricsScraper
 from epp.telemetry import Telemetry
 from epp.tls import server_credentials
+from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.index import KVBlockIndex
+from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
 from scorers.base import GaugeSample, PluginContext
 
 logger = logging.getLogger(__name__)
@@ -331,6 +333,21 @@ class EndpointPicker:
                         index.endpoint_stats(address).blocks,
                         (("endpoint", address),),
                     )
+
+        yield GaugeSample(
+            "inference_extension_prefix_hasher_cached_blocks",
+            "Block digests held by the prefix hashers' caches (bounded; about "
+            f"{CACHE_BYTES_PER_BLOCK} bytes each).",
+            live_cache_blocks(),
+        )
+        for model, tokens in live_segment_caches().items():
+            yield GaugeSample(
+                "inference_extension_tokenizer_cache_tokens",
+                "Tokens held by the tokenizer's segment cache (bounded; about "
+                f"{CACHE_BYTES_PER_TOKEN} bytes each).",
+                tokens,
+                (("tokenizer", model),),
+            )
 
     def _plugin_samples(self) -> Iterable[GaugeSample]:
         for plugin in self.scheduler.plugins:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -366,6 +367,12 @@ objects, several hundred more when they are not): the key (parent digest + the b
 ids as uint32, one bytes object), the digest, the LRU entry."""
 
 
+def live_cache_blocks() -> int:
+    """Blocks held now by the caches of every `PrefixHasher` alive in this process (exported
+    as a metric, so a soak can tell a cache filling up from a leak)."""
+    return sum(len(hasher) for hasher in list(_LIVE_HASHERS))
+
+
 class PrefixHasher:
     """`block_hashes` for the request hot path: identical output, with a bounded LRU of block
     digests keyed by ``(parent digest, block tokens, extra keys)``.
@@ -390,6 +397,7 @@ class PrefixHasher:
         self._capacity = cache_blocks
         self.hits = 0
         self.misses = 0
+        _LIVE_HASHERS.add(self)
 
     @property
     def capacity(self) -> int:
@@ -528,3 +536,6 @@ class PrefixHasher:
     def keys(self, token_ids: Sequence[int], **extra: Any) -> list[int]:
         """The event keys of `digests`."""
         return event_keys(self.digests(token_ids, **extra))
+
+
+_LIVE_HASHERS: Final[weakref.WeakSet[PrefixHasher]] = weakref.WeakSet()

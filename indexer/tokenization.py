@@ -70,6 +70,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -318,6 +319,7 @@ class PromptTokenizer:
         self._cache_tokens = 0
         self._hits = self._misses = self._cached_tokens = self._encoded_tokens = 0
         self._uncached_calls = self._verify_failures = self._calls = 0
+        _LIVE_TOKENIZERS.add(self)
 
     @classmethod
     def from_pretrained(
@@ -677,6 +679,18 @@ class PromptTokenizer:
             self.name,
             len(text),
         )
+
+
+def live_segment_caches() -> dict[str, int]:
+    """Tokens held now by the segment cache of every `PromptTokenizer` alive in this process,
+    by tokenizer name (exported as a metric, so a soak can tell a cache filling from a leak)."""
+    sizes: dict[str, int] = {}
+    for tokenizer in list(_LIVE_TOKENIZERS):
+        sizes[tokenizer.name] = sizes.get(tokenizer.name, 0) + tokenizer.stats().cache_size_tokens
+    return sizes
+
+
+_LIVE_TOKENIZERS: Final[weakref.WeakSet[PromptTokenizer]] = weakref.WeakSet()
 
 
 class TokenizerRegistry:

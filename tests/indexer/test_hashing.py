@@ -23,6 +23,7 @@ from indexer.hashing import (
     event_key,
     event_keys,
     extra_keys_for_block,
+    live_cache_blocks,
 )
 from tests.conftest import load_vectors
 
@@ -252,6 +253,15 @@ def test_prefix_hasher_walks_a_cached_prefix_then_hashes_the_rest() -> None:
     for _ in range(2):
         assert tiny.keys(shared) == block_hashes(shared, block_size=16, algo="sha256")
         assert len(tiny) == 2
+
+
+def test_live_cache_blocks_counts_every_hasher_alive() -> None:
+    before = live_cache_blocks()
+    hasher = PrefixHasher(HashConfig(block_size=16), cache_blocks=100)
+    hasher.keys(list(range(16 * 5)))
+    assert live_cache_blocks() == before + 5
+    del hasher
+    assert live_cache_blocks() == before
 
 
 def test_event_keys_equal_event_key_for_every_digest_width() -> None:

@@ -708,3 +708,21 @@ def test_other_pre_tokenizers_are_never_cut() -> None:
     assert tok._chunk_chars == 0
     with pytest.raises(TokenizationError, match="chunk_chars"):
         PromptTokenizer(_tiny_bpe(), name="tiny-bpe", chunk_chars=0)
+
+
+def test_live_segment_caches_report_every_tokenizer_alive(llama3_hf: Any) -> None:
+    tokenizer = PromptTokenizer(llama3_hf, name="soak-probe")
+    assert tokenization.live_segment_caches().get("soak-probe") == 0
+    tokenizer.encode_chat([{"role": "system", "content": "You are a careful assistant."}])
+    held = tokenizer.stats().cache_size_tokens
+    assert held > 0
+    assert tokenization.live_segment_caches()["soak-probe"] == held
+
+
+def test_cache_knobs_fail_with_the_value_and_the_range(llama3_hf: Any) -> None:
+    with pytest.raises(TokenizationError, match=r"cache_max_tokens must be >= 0.*got -1.*MiB"):
+        PromptTokenizer(llama3_hf, cache_max_tokens=-1)
+    with pytest.raises(TokenizationError, match="cache_max_tokens must be an integer"):
+        PromptTokenizer(llama3_hf, cache_max_tokens=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TokenizationError, match="verify_every must be >= 0"):
+        PromptTokenizer(llama3_hf, verify_every=-2)
