@@ -504,6 +504,7 @@ class PrefixHasher:
         looking it up first.  A block after a miss can still be cached (its parent evicted
         before it), but hashing it again gives the same digest, and skipping the lookups and
         evicting once at the end makes a cold 8k-token prompt 20 % cheaper (1.19 -> 0.95 ms).
+        (During the call the cache may exceed its capacity by this prompt's new blocks.)
         """
         size = self.config.block_size
         width = 4 * size
