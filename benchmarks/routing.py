@@ -28,6 +28,7 @@ oracle's hit rate at the fleet's capacity.  Policies run in parallel processes (
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -198,6 +199,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOT_NEEDS_MATPLOTLIB = (
+    "--plot needs matplotlib, which is an optional extra: pip install -e '.[bench]' "
+    "(or pip install matplotlib); the tables, --json and --markdown do not need it"
+)
+
+
+def require_matplotlib() -> None:
+    """Fail before any replay runs, not after minutes of them, when ``--plot`` cannot work."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit(PLOT_NEEDS_MATPLOTLIB)
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -205,9 +218,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
-            "--plot needs matplotlib (pip install matplotlib); the table and --json do not"
-        ) from None
+        raise SystemExit(PLOT_NEEDS_MATPLOTLIB) from None
     steps = report["steps"]
     loads = [s["load"] for s in steps]
     names = list(steps[0]["policies"])
@@ -311,7 +322,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     run.add_argument("--json", type=Path, default=None, dest="json_out")
-    run.add_argument("--plot", type=Path, default=None)
+    run.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write TTFT p90 and hit rate against load as a PNG (needs the bench extra: "
+        "pip install -e '.[bench]')",
+    )
     run.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown")
     args = parser.parse_args(argv)
     if args.workload is None:
@@ -328,6 +345,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     global _FLEET
     args = parse_args(argv)
+    if args.plot is not None:
+        require_matplotlib()
     try:
         profile = get_profile(args.profile)
     except ProfileError as exc:
