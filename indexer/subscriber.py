@@ -36,8 +36,12 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
   and the pod may be a new process whose seq restarted below what was seen: its next batch may
   come much later, or show as a plain gap.  So each reconnection fetches the pod's buffer from
   seq 0 at once too (``resync``): a buffer that ends below the last seq seen live means the pod
-  restarted (its blocks are dropped, then the buffer applied); otherwise whatever is new in it
-  fills the hole.  Without a replay URL nothing can be told until the next batch arrives.
+  restarted (its blocks are dropped, then the buffer applied), and so does an empty buffer
+  where one was seen non-empty (vLLM's buffer never shrinks; a restarted vLLM binds its
+  sockets before it serves, so this is the usual way a restart shows); otherwise whatever is
+  new in it fills the hole.  A fetch that fails is tried once more after
+  ``replay_interval_s`` (the replay socket reconnects on its own timer, often just after the
+  SUB).  Without a replay URL nothing can be told until the next batch arrives.
 
 Malformed frames and undecodable payloads are counted and dropped; nothing a pod sends stops the
 receive loops.  The sink (the KV index) never sees a socket: it gets decoded `KVEventBatch` values.
@@ -386,6 +390,12 @@ class _EndpointFeed:
         self._replay_task: asyncio.Task[None] | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._closed = False
+        # The pod's buffer was found non-empty since its last restart: vLLM's buffer (a deque)
+        # never shrinks, so finding it empty later means a new process that has not published.
+        self._buffer_seen = False
+        # A reconnection's fetch failed (the replay socket reconnects on its own timer, often
+        # just after the SUB): it is tried once more (`_retry_resync`).
+        self._resync_retry: asyncio.TimerHandle | None = None
         # Gaps met while the replay budget was spent: the earliest seq missed since, how many
         # gaps, and the timer that repairs them when the budget allows (see `_defer_repair`).
         self._repair_from: int | None = None
@@ -415,6 +425,9 @@ class _EndpointFeed:
     def close(self) -> None:
         self._closed = True
         self._cancel_repair()
+        if self._resync_retry is not None:
+            self._resync_retry.cancel()
+            self._resync_retry = None
         if self._replay_task is not None:
             self._replay_task.cancel()
             self._replay_task = None
@@ -503,6 +516,7 @@ class _EndpointFeed:
             self._clear()
             self._expected = None
             self._last_live = None
+            self._buffer_seen = False
             self._first_contact(seq, payload)
 
     def _take_replay_token(self) -> bool:
@@ -544,9 +558,10 @@ class _EndpointFeed:
 
     # Resync after a reconnection ---------------------------------------------------------------
 
-    def connected(self, *, first: bool) -> None:
+    def connected(self, *, first: bool, retry: bool = False) -> None:
         """The SUB connected to the pod (``first``) or connected again: fetch its buffer, to
-        learn what it cached before the EPP listened or what was missed while disconnected."""
+        learn what it cached before the EPP listened or what was missed while disconnected.
+        ``retry``: this is the one retry of a reconnection fetch that failed."""
         if self._closed or self._dealer is None or self._replay_task is not None:
             return
         if first and (self._expected is not None or not self._config.replay_on_first_contact):
@@ -555,26 +570,57 @@ class _EndpointFeed:
             return
         self.stats.replays_requested += 1
         self.stats.resyncs += 1
-        self._replay_task = self._spawn(self._resync(), f"kv-events-resync:{self.endpoint}")
+        self._replay_task = self._spawn(
+            self._resync(retry=not first and not retry), f"kv-events-resync:{self.endpoint}"
+        )
 
-    async def _resync(self) -> None:
+    def _retry_resync(self) -> None:
+        self._resync_retry = None
+        self.connected(first=False, retry=True)
+
+    async def _resync(self, *, retry: bool = False) -> None:
+        buffered: list[tuple[int, bytes]] | None
         try:
             buffered = await self._fetch_buffer()
         except (TimeoutError, zmq.ZMQError) as exc:
             self.stats.replays_failed += 1
             log.warning(
-                "KV events from %s: fetching its replay buffer after connecting failed (%s)",
+                "KV events from %s: fetching its replay buffer after connecting failed (%s)%s",
                 self.endpoint,
                 "no reply in time" if isinstance(exc, TimeoutError) else exc,
+                "; trying once more" if retry else "",
             )
             self._reset_dealer()
-            buffered = []
+            buffered = None
         except Exception:
             self.stats.replays_failed += 1
             log.exception("KV events from %s: resync failed unexpectedly", self.endpoint)
             self._reset_dealer()
-            buffered = []
-        if buffered:
+            buffered = None
+        if buffered is None:
+            if retry and not self._closed and self._resync_retry is None:
+                self._resync_retry = asyncio.get_running_loop().call_later(
+                    self._config.replay_interval_s, self._retry_resync
+                )
+        elif not buffered:
+            if self._buffer_seen and self._expected is not None:
+                # A buffer seen non-empty is empty now: the pod is a new process that has not
+                # published yet (vLLM binds its sockets before it serves).  Its first batch will
+                # be seq 0, which nothing else could tell from a live copy of a batch seen.
+                self.stats.restarts_detected += 1
+                log.warning(
+                    "KV events from %s: after reconnecting, the pod's replay buffer is empty "
+                    "where it held batches up to seq %d; the pod restarted, dropping what the "
+                    "index held for it",
+                    self.endpoint,
+                    self._expected - 1,
+                )
+                self._clear()
+                self._expected = None
+                self._last_live = None
+                self._buffer_seen = False
+        else:
+            self._buffer_seen = True
             top = buffered[-1][0]
             if self._expected is None:  # first connection, nothing live yet
                 self._expected = buffered[0][0]
@@ -806,6 +852,7 @@ class _EndpointFeed:
             assert self._expected is not None
             if first_reply:
                 first_reply = False
+                self._buffer_seen = True
                 if from_seq > 0 and seq > from_seq:
                     self._rebuild_from(seq, f"a replay from seq {from_seq}")
                     next_reapplied = reapply_upto = None

@@ -134,3 +134,52 @@ async def test_a_reconnection_after_more_batches_than_the_buffer_holds_rebuilds_
     stats = pool.endpoint_stats("pod-a")
     assert stats is not None
     assert (stats.full_resyncs, stats.restarts_detected) == (1, 0)
+
+
+async def test_a_pod_reborn_with_an_empty_buffer_is_a_restart_before_it_publishes(
+    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """A restarted vLLM binds its sockets before it serves, so the reconnection's fetch finds
+    its buffer empty (it never empties otherwise): the old entries go at once, and the new
+    process's seq 0, 1, 2 are applied, not taken for live copies of the old batches."""
+    pod = await new_pod()
+    for _ in range(10):
+        await pod.publish(live=False)
+    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+    await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
+    await pod.close()
+    reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
+    reborn.generation = 1
+    await wait_until(lambda: len(reborn.replay_requests) >= 1, "the reconnection's fetch")
+    await wait_until(
+        lambda: (pool.endpoint_stats("pod-a") or FeedStats()).restarts_detected == 1,
+        "the restart noticed from the empty buffer",
+    )
+    assert [ident for _, ep, ident in sink.calls if ep == "pod-a"][10] is None  # cleared
+    await _subscriber_tests.publish_until_delivered(reborn, sink, "pod-a")
+    last = await publish_and_wait(reborn, sink, "pod-a", 2)
+    assert sink.applied("pod-a", generation=1) == list(range(last + 1))
+
+
+async def test_a_reconnection_fetch_that_fails_is_tried_once_more(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    config = SubscriberConfig(reconnect_ivl_ms=20, replay_timeout_s=0.3, replay_interval_s=0.3)
+    async with SubscriberPool(sink, config) as pool:
+        pod = await new_pod()
+        for _ in range(10):
+            await pod.publish(live=False)
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
+        await pod.close()
+        reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
+        reborn.generation = 1
+        reborn.answer_replays = False  # the first fetch after reconnecting gets no answer
+        for _ in range(3):
+            await reborn.publish(live=False)
+        await wait_until(lambda: len(reborn.replay_requests) >= 1, "the reconnection's fetch")
+        reborn.answer_replays = True
+        await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "the retry")
+        stats = pool.endpoint_stats("pod-a")
+        assert stats is not None
+        assert (stats.restarts_detected, stats.replays_failed) == (1, 1)
