@@ -233,6 +233,11 @@ class Replay:
         if self.sinks:
             self._deliver_events(t)
 
+    def advance(self, t: float) -> None:
+        """Bring the fleet and the EPP's inputs (scrapes, KV events) to time ``t``: `run` does
+        it before each arrival; tests call it to construct a state between decisions."""
+        self._advance(t)
+
     def _run_engines(self, t: float) -> None:
         """Run every engine step that ends by ``t``; hand first tokens and completions to the
         director in time order (the clock reads each one's own time)."""
