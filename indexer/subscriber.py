@@ -15,8 +15,9 @@ messages go through one `_EndpointFeed`, which keeps them in sequence:
 * ``seq > expected``: a gap (PUB drops silently when a subscriber falls behind).  Ask the pod's
   replay ROUTER (``"replay_endpoint": "tcp://*:5558"``) for everything from ``expected``, hold live
   messages meanwhile, apply the replayed batches, then the held ones, skipping duplicates.  Without
-  replay, or when the replay times out, the gap is counted and the stream continues from the live
-  seq.  When the pod's buffer (the last 10,000 batches) no longer reaches back to ``expected``,
+  replay the gap is counted and the stream continues from the live seq; when the replay times
+  out, the stream continues too and one later replay repairs the hole (see ``repair`` below).
+  When the pod's buffer (the last 10,000 batches) no longer reaches back to ``expected``,
   the lost batches may have removed blocks: the endpoint's entries are dropped and rebuilt from
   the whole buffer (a *full resync*, ``full_resyncs``), so nothing stale is kept; this applies
   to every fetch below too (a deferred repair, a reconnection's resync).
@@ -683,8 +684,8 @@ class _EndpointFeed:
         self._repair_gaps += 1
         if self._repair_gaps == 1 or _log_spaced(self._repair_gaps):
             log.warning(
-                "KV events from %s: %d gap(s) since seq %d with the replay budget spent; "
-                "repairing them with one replay when it allows",
+                "KV events from %s: %d gap(s) since seq %d not replayed (replay budget spent, "
+                "or no answer in time); repairing them with one replay when the budget allows",
                 self.endpoint,
                 self._repair_gaps,
                 self._repair_from,
@@ -766,9 +767,11 @@ class _EndpointFeed:
 
     async def _replay(self, from_seq: int, live_seq: int, *, gap: bool) -> None:
         progress = _ReplayProgress()
+        failed = False
         try:
             await self._fetch_replay(from_seq, progress)
         except (TimeoutError, zmq.ZMQError) as exc:
+            failed = True
             self.stats.replays_failed += 1
             log.warning(
                 "KV events from %s: replay from seq %d via %s stopped (%s) after %d batches",
@@ -780,6 +783,7 @@ class _EndpointFeed:
             )
             self._reset_dealer()
         except Exception:
+            failed = True
             self.stats.replays_failed += 1
             log.exception("KV events from %s: replay failed unexpectedly", self.endpoint)
             self._reset_dealer()
@@ -789,6 +793,11 @@ class _EndpointFeed:
         if gap:
             if recovered:
                 self.stats.gaps_recovered += 1
+            elif failed:
+                # No answer in time (a loaded EPP, a blip on the way to the pod): the hole is
+                # repaired by one later replay, counted when that ends.  A repair is never
+                # retried, so a replay socket that never answers costs two timeouts per gap.
+                self._defer_repair(from_seq)
             else:
                 self.stats.gaps_unrecovered += 1
                 log.warning(

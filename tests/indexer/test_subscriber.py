@@ -24,6 +24,7 @@ from indexer.events import BlockStored, KVEventBatch, encode_batch
 from indexer.subscriber import (
     CentralSubscriber,
     EventTopic,
+    FeedStats,
     SubscriberConfig,
     SubscriberConfigError,
     SubscriberPool,
@@ -416,10 +417,13 @@ async def test_gap_without_replay_is_counted_and_processing_continues(
     assert (stats.gaps_detected, stats.gaps_unrecovered, stats.replays_requested) == (1, 1, 0)
 
 
-async def test_replay_timeout_accepts_the_gap_and_a_later_replay_still_works(
+async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
     sink: RecordingSink, new_pod: PodFactory
 ) -> None:
-    config = SubscriberConfig(replay_timeout_s=0.2, reconnect_ivl_ms=20)
+    """A replay with no answer in time does not stop the stream, nor leave the hole for good:
+    one later replay re-applies everything from the missed seq in order.  A repair that gets
+    no answer either is given up (counted unrecovered), not retried forever."""
+    config = SubscriberConfig(replay_timeout_s=0.2, replay_interval_s=0.3, reconnect_ivl_ms=20)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod()
         pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
@@ -432,16 +436,27 @@ async def test_replay_timeout_accepts_the_gap_and_a_later_replay_still_works(
         assert sink.applied("pod-a")[-3:] == [lost + 1, lost + 2, last]
         stats = pool.endpoint_stats("pod-a")
         assert stats is not None
-        assert (stats.gaps_unrecovered, stats.replays_failed) == (1, 1)
+        assert (stats.gaps_unrecovered, stats.replays_failed) == (0, 1)
 
-        # The replay socket was replaced after the timeout; the next gap is recovered.
-        pod.answer_replays = True
-        recovered = await pod.publish(live=False)
-        await publish_and_wait(pod, sink, "pod-a", 2)
-        assert recovered in sink.applied("pod-a")
+        pod.answer_replays = True  # answers again (the replay socket was replaced meanwhile)
+        await wait_until(lambda: lost in sink.applied("pod-a"), "the repair")
+        applied = sink.applied("pod-a")
+        assert applied[applied.index(lost) :] == list(range(lost, last + 1))
         stats = pool.endpoint_stats("pod-a")
         assert stats is not None
-        assert (stats.gaps_detected, stats.gaps_recovered) == (2, 1)
+        assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
+
+        pod.answer_replays = False
+        lost = await pod.publish(live=False)
+        await publish_and_wait(pod, sink, "pod-a", 2)
+        await wait_until(
+            lambda: (pool.endpoint_stats("pod-a") or FeedStats()).gaps_unrecovered == 1,
+            "the repair given up",
+        )
+        stats = pool.endpoint_stats("pod-a")
+        assert stats is not None
+        assert (stats.replays_failed, stats.gaps_recovered) == (3, 1)
+        assert lost not in sink.applied("pod-a")
 
 
 async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_it(
