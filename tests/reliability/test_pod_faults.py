@@ -361,11 +361,11 @@ def test_a_replay_socket_that_never_answers_costs_accuracy_not_availability(
     failed_before = metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered")
     _fault(stack, 2, "/fault/config", {"drop_batch_prob": 0.5})
     try:
-        with Traffic(stack.gateway, rate=25, max_seconds=30) as traffic:
+        with _traffic_on(stack, (2,), rate=25) as runs:  # pod 2 publishes, whatever the EPP picks
             time.sleep(4)
     finally:
         _fault(stack, 2, "/fault/config", {"drop_batch_prob": 0.0})
-    assert not failures(traffic.outcomes)
+    assert not failures(_outcomes(runs))
     unrecovered = wait_for(
         lambda: (
             metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered") > failed_before
@@ -377,7 +377,7 @@ def test_a_replay_socket_that_never_answers_costs_accuracy_not_availability(
         gaps_unrecovered=metric(_epp(stack), "inference_extension_kv_events_gaps_unrecovered")
         - failed_before,
         noticed_s=unrecovered,
-        failed_requests=len(failures(traffic.outcomes)),
+        failed_requests=len(failures(_outcomes(runs))),
     )
 
 
