@@ -522,8 +522,9 @@ class PrefixHasher:
         The same result as the general loop, in two runs: the cached prefix (one lookup per
         block), then, from the first miss on, every block hashed and remembered without
         looking it up first.  A block after a miss can still be cached (its parent evicted
-        before it), but hashing it again gives the same digest, and skipping the lookups and
-        evicting once at the end makes a cold 8k-token prompt 20 % cheaper (1.19 -> 0.95 ms).
+        before it), but hashing it again gives the same digest.  Against the general loop,
+        interleaved in one process (sha256, 8k tokens, median): a new prompt 0.92 -> 0.85 ms,
+        one whose 7.8k-token prefix is cached 0.28 -> 0.23 ms.
         (During the call the cache may exceed its capacity by this prompt's new blocks.)
         """
         size = self.config.block_size
