@@ -90,8 +90,8 @@ DEFAULT_CONFIG_YAML: Final = """\
 # and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
 # events, plus predicted entries for requests routed in the last 2 s whose events have not
 # arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
-# 4 x uncached prompt tokens + prefill already queued there + 500 per request in flight
-# (+ up to 8192 when the pod's KV cache is over 90 % full); max-score-picker takes the cheapest.
+# 4 x uncached prompt tokens + prefill already queued there + 250 per request in flight
+# + 16384 x the pod's KV-cache usage (0-1); max-score-picker takes the cheapest.
 # Without a tokenizer for text prompts, or without KV events, this is least-work routing.
 # Benchmarks and tuning: docs/routing-results.md (python -m benchmarks.routing).
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -104,9 +104,9 @@ plugins:
 - type: prefill-cost-scorer
   parameters:
     uncachedTokenWeight: 4
-    inFlightRequestTokens: 500
-    kvPressureThreshold: 0.9
-    kvPressureTokens: 8192
+    inFlightRequestTokens: 250
+    kvPressureThreshold: 0.0
+    kvPressureTokens: 16384
 - type: max-score-picker
 - type: single-profile-handler
 schedulingProfiles:

@@ -63,13 +63,27 @@ def test_without_prefix_information_it_is_least_work_routing() -> None:
 def test_kv_pressure_and_stale_metrics_count_against_a_pod() -> None:
     scorer = make(
         "prefill-cost-scorer",
-        {"uncachedTokenWeight": 1, "inFlightRequestTokens": 0, "kvPressureTokens": 10_000},
+        {
+            "uncachedTokenWeight": 1,
+            "inFlightRequestTokens": 0,
+            "kvPressureThreshold": 0.9,
+            "kvPressureTokens": 10_000,
+        },
     )
     full = ep("full", kv=0.95)
     stale = ep("stale")
     stale.metrics_stale = True
     costs = scorer.costs(prompt(1000), [full, stale, ep("ok", kv=0.85)])
     assert costs == {"full": pytest.approx(1000 + 5000), "stale": 11_000, "ok": 1000}
+
+
+def test_default_kv_term_is_linear_in_usage_and_rarely_beats_a_miss() -> None:
+    scorer = make("prefill-cost-scorer", {"inFlightRequestTokens": 0})
+    costs = scorer.costs(prompt(1000), [ep("half", kv=0.5), ep("empty")])
+    assert costs == {"half": pytest.approx(4 * 1000 + 0.5 * 16_384), "empty": 4000}
+    # A pod 20 points fuller that holds a 1,200-token question still wins (3,277 < 4,800).
+    req = prompt(7200, {"holder": 7200, "other": 6000})
+    assert best(scorer.score(req, [ep("holder", kv=0.8), ep("other", kv=0.6)])) == "holder"
 
 
 def test_parameters_are_validated() -> None:
