@@ -58,7 +58,10 @@ pod sending forged sequence numbers (jumps, or seqs going back, which look like 
 make the EPP replay its buffer in a loop.  Gaps beyond the budget do not stop the stream: it
 continues from the live seq, and once the budget allows, one replay from the earliest seq
 missed since re-applies everything from there in order (``repair``), so a lossy link costs one
-replay per ``replay_interval_s`` and the index still converges.
+replay per ``replay_interval_s`` and the index still converges.  A gap replay that gets no
+answer in time is repaired the same way; until a replay is answered again, later gaps go
+straight to the pending repair, so live batches are not held behind a replay socket that may
+never answer (a repair with no answer either is counted unrecovered, not retried).
 """
 
 from __future__ import annotations
@@ -397,6 +400,8 @@ class _EndpointFeed:
         # A reconnection's fetch failed (the replay socket reconnects on its own timer, often
         # just after the SUB): it is tried once more (`_retry_resync`).
         self._resync_retry: asyncio.TimerHandle | None = None
+        # The last replay or fetch got no answer in time; the next one that does clears it.
+        self._replay_unanswered = False
         # Gaps met while the replay budget was spent: the earliest seq missed since, how many
         # gaps, and the timer that repairs them when the budget allows (see `_defer_repair`).
         self._repair_from: int | None = None
@@ -474,7 +479,13 @@ class _EndpointFeed:
             self._apply(seq, payload)
         elif seq > expected:
             self.stats.gaps_detected += 1
-            if self._dealer is not None and self._take_replay_token():
+            # After a replay got no answer, gaps go to the pending repair (one replay for all,
+            # and live batches are not held behind a socket that may never answer).
+            if (
+                self._dealer is not None
+                and not self._replay_unanswered
+                and self._take_replay_token()
+            ):
                 log.info(
                     "KV events from %s: gap, expected seq %d, got %d; replaying",
                     self.endpoint,
@@ -598,6 +609,7 @@ class _EndpointFeed:
             log.exception("KV events from %s: resync failed unexpectedly", self.endpoint)
             self._reset_dealer()
             buffered = None
+        self._replay_unanswered = buffered is None
         if buffered is None:
             if retry and not self._closed and self._resync_retry is None:
                 self._resync_retry = asyncio.get_running_loop().call_later(
@@ -724,11 +736,13 @@ class _EndpointFeed:
 
     async def _repair(self, from_seq: int, gaps: int) -> None:
         progress = _ReplayProgress()
+        failed = False
         try:
             await self._fetch_replay(from_seq, progress, reapply_from=from_seq)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.stats.replays_failed += 1
             progress.hole = True
+            failed = True
             log.warning(
                 "KV events from %s: repair replay from seq %d stopped (%s)",
                 self.endpoint,
@@ -739,8 +753,10 @@ class _EndpointFeed:
         except Exception:
             self.stats.replays_failed += 1
             progress.hole = True
+            failed = True
             log.exception("KV events from %s: repair replay failed unexpectedly", self.endpoint)
             self._reset_dealer()
+        self._replay_unanswered = failed
         if progress.hole:
             self.stats.gaps_unrecovered += gaps
             log.warning(
@@ -787,6 +803,7 @@ class _EndpointFeed:
             self.stats.replays_failed += 1
             log.exception("KV events from %s: replay failed unexpectedly", self.endpoint)
             self._reset_dealer()
+        self._replay_unanswered = failed
         assert self._expected is not None
         # Recovered: every seq from from_seq up to the live message was delivered, in order.
         recovered = not progress.hole and self._expected >= live_seq
@@ -1143,12 +1160,42 @@ class SubscriberPool(_Subscriber):
             if current[0] == pub_url and self._feeds[endpoint].replay_url == replay_url:
                 return
             self.remove_endpoint(endpoint)
+        feed = self._new_feed(endpoint, replay_url)
+        try:
+            self._subscribe(endpoint, pub_url, feed, connections_before=0)
+        except SubscriberConfigError:
+            feed.close()
+            raise
+        self._feeds[endpoint] = feed
+
+    def reconnect(self, endpoint: str) -> bool:
+        """Replace ``endpoint``'s SUB socket by a new one connected to the same URL, keeping its
+        sequence state: for a caller with evidence that the stream stopped (a silent
+        publisher).  libzmq does not reconnect a connection it dropped over a protocol error
+        (a message over ``max_message_bytes``), so only a new socket hears the pod again; its
+        connection fetches the pod's buffer as any reconnection does.  False if ``endpoint``
+        is not registered."""
+        entry = self._subs.pop(endpoint, None)
+        feed = self._feeds.get(endpoint)
+        if entry is None or feed is None:
+            return False
+        pub_url = entry[0]
+        self._close_sub(entry)
+        try:
+            self._subscribe(endpoint, pub_url, feed, connections_before=1)
+        except SubscriberConfigError:
+            log.exception("KV events from %s: cannot subscribe again", endpoint)
+            return False
+        return True
+
+    def _subscribe(
+        self, endpoint: str, pub_url: str, feed: _EndpointFeed, *, connections_before: int
+    ) -> None:
         sub = _open_sub(self._context, self._config)
         # Watch connections before connecting, so the first one is never missed.
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         try:
             sub.connect(pub_url)
-            feed = self._new_feed(endpoint, replay_url)
         except zmq.ZMQError as exc:
             monitor.close(linger=0)
             sub.close(linger=0)
@@ -1156,20 +1203,20 @@ class SubscriberPool(_Subscriber):
                 f"endpoint {endpoint!r}: cannot connect to pub_url {pub_url!r} ({exc}); expected "
                 "the pod's KV-events endpoint as tcp://<pod-ip>:<port>, e.g. tcp://10.0.0.7:5557"
             ) from exc
-        except SubscriberConfigError:
-            monitor.close(linger=0)
-            sub.close(linger=0)
-            raise
-        self._feeds[endpoint] = feed
         task = self._spawn(
             self._receive_loop(sub, feed.on_message, endpoint), f"kv-events-sub:{endpoint}"
         )
-        self._spawn(self._watch_connections(monitor, feed), f"kv-events-monitor:{endpoint}")
+        self._spawn(
+            self._watch_connections(monitor, feed, connections_before),
+            f"kv-events-monitor:{endpoint}",
+        )
         self._subs[endpoint] = (pub_url, sub, task, monitor)
 
-    async def _watch_connections(self, monitor: zmq.asyncio.Socket, feed: _EndpointFeed) -> None:
-        """Tell the feed about every connection (see ``resync``)."""
-        connections = 0
+    async def _watch_connections(
+        self, monitor: zmq.asyncio.Socket, feed: _EndpointFeed, connections: int
+    ) -> None:
+        """Tell the feed about every connection (see ``resync``); ``connections`` made before
+        this socket's (a replaced socket's connection is a reconnection)."""
         try:
             while True:
                 frames = await monitor.recv_multipart()
@@ -1181,15 +1228,21 @@ class SubscriberPool(_Subscriber):
         except zmq.ZMQError:
             return  # the monitor was closed with its socket
 
+    @staticmethod
+    def _close_sub(
+        entry: tuple[str, zmq.asyncio.Socket, asyncio.Task[None], zmq.asyncio.Socket],
+    ) -> None:
+        _, sub, task, monitor = entry
+        task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            sub.disable_monitor()
+        monitor.close(linger=0)
+        sub.close(linger=0)
+
     def remove_endpoint(self, endpoint: str) -> bool:
         entry = self._subs.pop(endpoint, None)
         if entry is not None:
-            _, sub, task, monitor = entry
-            task.cancel()
-            with contextlib.suppress(zmq.ZMQError):
-                sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+            self._close_sub(entry)
         return super().remove_endpoint(endpoint)
 
 

@@ -30,7 +30,10 @@ index when the pod does not report it), so the pod computed them and vLLM publis
 before the first token.  When no batch from that pod has arrived since such a request was routed,
 ``silentPublisherTimeout`` after its completion, the publisher is marked silent: logged once,
 exported, and its entries are left out of scoring (kept, not dropped: see the parameter) until a
-batch arrives, which also fetches its replay buffer again (the subscriber's resync).
+batch arrives, which also fetches its replay buffer again (the subscriber's resync).  Its SUB
+socket is replaced when it is marked (`SubscriberPool.reconnect`): libzmq never reconnects a
+connection it dropped over an oversized message, and the new connection's fetch of the replay
+buffer catches up a pod whose publisher still runs (a broken path to its PUB port).
 """
 
 from __future__ import annotations
@@ -585,12 +588,29 @@ class PrecisePrefixCacheScorer(Plugin):
             logger.warning(
                 "%s: %s served a request with new prompt blocks %gs ago and has published no "
                 "KV events since it was routed; its publisher is silent, its index entries are "
-                "not used for scoring until it publishes again",
+                "not used for scoring until it publishes again (subscribing to it again)",
                 self.name,
                 endpoint,
                 silent.timeout,
             )
+            self._reconnect_soon(endpoint)
         return silent.silent
+
+    def _reconnect_soon(self, endpoint: str) -> None:
+        """A new SUB socket for a silent publisher: libzmq never reconnects a connection it
+        dropped over a protocol error (a message over the size limit), which looks exactly like
+        a silent pod.  The new connection fetches the pod's replay buffer; if the pod kept
+        publishing (only the path to this EPP broke), that catches the index up and, being
+        batches from the pod, trusts it again.  Per-endpoint SUBs only: in central mode the
+        pods connect to the EPP."""
+        subscriber = self._subscriber
+        if not isinstance(subscriber, SubscriberPool):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # marked outside a loop (tests, benchmarks): no sockets to replace
+        loop.call_soon(subscriber.reconnect, endpoint)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         scores: Mapping[str, float] = request.data.get(_SCORES, {})

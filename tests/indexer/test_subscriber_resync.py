@@ -183,3 +183,30 @@ async def test_a_reconnection_fetch_that_fails_is_tried_once_more(
         stats = pool.endpoint_stats("pod-a")
         assert stats is not None
         assert (stats.restarts_detected, stats.replays_failed) == (1, 1)
+
+
+async def test_reconnect_hears_a_pod_again_after_libzmq_dropped_its_connection(
+    sink: RecordingSink, new_pod: PodFactory
+) -> None:
+    """A message over max_message_bytes makes libzmq drop the connection and never reconnect
+    it (libzmq 4.3): the pod looks silent.  `reconnect` opens a new SUB; its connection fetches
+    what was missed meanwhile, and the live stream flows again."""
+    config = SubscriberConfig(reconnect_ivl_ms=20, max_message_bytes=4096)
+    async with SubscriberPool(sink, config) as pool:
+        pod = await new_pod()
+        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+        await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+        seen = await publish_and_wait(pod, sink, "pod-a", 2)
+        await pod.send_raw([b"", (seen + 1).to_bytes(8, "big"), b"x" * 10_000])
+        pod.seq = seen + 2  # vLLM would have buffered that batch; it is not needed here
+        for _ in range(5):
+            await pod.publish()
+        await asyncio.sleep(0.5)
+        assert sink.applied("pod-a")[-1] == seen  # nothing arrives any more
+        fetches = len(pod.replay_requests)
+        assert pool.reconnect("pod-a")
+        await wait_until(lambda: sink.applied("pod-a")[-1] == seen + 6, "the reconnection")
+        assert len(pod.replay_requests) == fetches + 1
+        last = await publish_and_wait(pod, sink, "pod-a", 3)
+        assert sink.applied("pod-a")[-8:] == list(range(seen + 2, last + 1))
+        assert not pool.reconnect("nobody")

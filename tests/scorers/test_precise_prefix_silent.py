@@ -12,6 +12,7 @@ import pytest
 
 from indexer.events import BlockStored, KVEventBatch
 from indexer.hashing import block_hashes
+from indexer.subscriber import SubscriberPool
 from scorers.base import (
     Endpoint,
     LLMRequest,
@@ -223,3 +224,32 @@ def test_silent_publisher_timeout_takes_durations_or_null(
 def test_bad_silent_publisher_timeout_names_the_field(value: object) -> None:
     with pytest.raises(PluginConfigError, match="silentPublisherTimeout"):
         _plugin(_Clock(), silentPublisherTimeout=value)
+
+
+def test_a_pod_marked_silent_gets_a_new_subscription_once() -> None:
+    """libzmq never reconnects a connection it dropped over an oversized message, which looks
+    exactly like a silent publisher: marking one replaces its SUB socket (once per episode)."""
+    clock = _Clock()
+    plugin = _plugin(clock)
+    reconnected: list[str] = []
+
+    plugin.apply(A, _stored(_tokens(1)))
+    clock.now += 1
+    request, _ = _route(plugin, _tokens(3))
+    plugin.response_complete(request, A, Usage(prompt_tokens=32, completion_tokens=1))
+    clock.now += 10
+
+    async def scrape_twice() -> None:
+        pool = SubscriberPool(plugin)
+        pool.reconnect = reconnected.append  # type: ignore[assignment,method-assign]
+        plugin._subscriber = pool
+        try:
+            # A scrape (on the event loop, as the metrics server runs) marks A silent.
+            assert _samples(plugin, "inference_extension_kv_events_silent_publisher") == {A: 1}
+            assert _samples(plugin, "inference_extension_kv_events_silent_publisher") == {A: 1}
+            await asyncio.sleep(0)
+        finally:
+            await pool.close()
+
+    asyncio.run(scrape_twice())
+    assert reconnected == [A]
