@@ -63,24 +63,20 @@ class PrefillCostParameters(BaseModel):
     already queued there.  1 = this request's TTFT alone; larger = stickier to the cache.
     Measured (``benchmarks/routing.py``, Mooncake trace): 1 loses a third of the hits, 3-4 is
     best at every load, 6-8 starts to queue behind hot pods.  Useful range 2-6."""
-    inFlightRequestTokens: float = Field(default=500.0, ge=0.0, le=1_000_000.0)
+    inFlightRequestTokens: float = Field(default=250.0, ge=0.0, le=1_000_000.0)
     """Token-equivalent cost of each request in flight on the candidate (decode load and the
     KV blocks it holds).  It is what spreads a hot prefix whose requests each add little
     prefill (chat sessions on a shared system prompt: TTFT p90 0.154 s at 200, 0.086 s at 500)
     and keeps decode from piling up on the pods that won the popular prefixes (shared-prefix
     shape with 1,000-token answers: TTFT p99 33 s at 0).  Larger values spill warm requests
     (trace hit rate 31.5 % at 200, 30.9 % at 500 at load 0.9).  Range 200-1000."""
-    inFlightScaleRequests: float | None = Field(default=None, gt=0.0, le=100_000.0)
-    """EXPERIMENT"""
-    kvPressureProjected: bool = False
-    """EXPERIMENT"""
     waitingRequestTokens: float = Field(default=0.0, ge=0.0, le=1_000_000.0)
     """Token-equivalent cost of each request the pod itself reports waiting
     (``vllm:num_requests_waiting``, scraped): requests it cannot admit yet, including those
     routed by other EPP replicas."""
-    kvPressureThreshold: float = Field(default=0.9, ge=0.0, le=1.0)
+    kvPressureThreshold: float = Field(default=0.0, ge=0.0, le=1.0)
     """KV-cache usage (blocks held by running requests) above which the pressure term grows."""
-    kvPressureTokens: float = Field(default=8192.0, ge=0.0, le=10_000_000.0)
+    kvPressureTokens: float = Field(default=16384.0, ge=0.0, le=10_000_000.0)
     """Pressure term at a full cache, growing linearly from the threshold (default: one
     prefill chunk of vLLM's default ``max_num_batched_tokens``); 0 turns the guard off."""
     smoothingTokens: float = Field(default=16.0, gt=0.0, le=1_000_000.0)
@@ -108,10 +104,6 @@ class PrefillCostScorer(Plugin):
         span = 1.0 - threshold
         costs: dict[str, float] = {}
         per_request = p.inFlightRequestTokens
-        if p.inFlightScaleRequests is not None and endpoints:
-            mean = sum(e.load.in_flight_requests for e in endpoints) / len(endpoints)
-            if mean > p.inFlightScaleRequests:
-                per_request *= p.inFlightScaleRequests / mean
         for endpoint in endpoints:
             uncached = max(0, total - cached.get(endpoint.address, 0))
             cost = (
@@ -123,19 +115,13 @@ class PrefillCostScorer(Plugin):
                 cost += p.waitingRequestTokens * endpoint.metrics.waiting_requests
             if p.kvPressureTokens:
                 usage = 1.0 if endpoint.metrics_stale else endpoint.metrics.kv_cache_usage
-                m = endpoint.metrics
-                if p.kvPressureProjected and not endpoint.metrics_stale and m.num_gpu_blocks and m.block_size:
-                    usage += (uncached + endpoint.load.in_flight_prefill_tokens) / (m.num_gpu_blocks * m.block_size)
                 if usage > threshold:
                     cost += (
-                        p.kvPressureTokens * ((usage if p.kvPressureProjected else min(usage, 1.0)) - threshold) / span
+                        p.kvPressureTokens * (min(usage, 1.0) - threshold) / span
                         if span
                         else p.kvPressureTokens
                     )
             costs[endpoint.address] = cost
-        import os, sys
-        if os.environ.get("KVEPP_DEBUG_COSTS"):
-            print("DBG", total, {e.address[-5:]: (cached.get(e.address, 0), e.load.in_flight_requests, e.load.in_flight_prefill_tokens, round(e.metrics.kv_cache_usage, 3), e.metrics.num_gpu_blocks, round(costs[e.address])) for e in endpoints}, file=sys.stderr, flush=True)
         return costs
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
