@@ -19,9 +19,12 @@ weigh work, not just ratios").  So the scorer estimates, per candidate ``e``, a 
   uncached prefill delays every request queued behind it, and a prefix copied to a second pod
   evicts something else there.  It is the lever between cache affinity and spreading.
 * ``in_flight_requests_e`` (decoding requests slow every step and hold KV blocks) and the KV
-  pressure term (``kv_cache_usage`` above ``kvPressureThreshold`` costs up to
-  ``kvPressureTokens`` at a full cache, where vLLM stops admitting and starts preempting) make
-  ties between idle prefills break towards the emptier pod.
+  term (``kv_cache_usage`` above ``kvPressureThreshold`` costs linearly up to
+  ``kvPressureTokens`` at a full cache) weigh load.  The KV term measures load by the memory
+  running requests hold, which a request count cannot do when answers are long; by default it
+  is linear from an empty cache, and a pod 20 points fuller costs about 3,300 tokens, less than
+  missing a 1,200-token question, so load decides between pods that hold the same prefix and
+  only a deep imbalance sends a request away from its prefix.
 
 Scores are ``(min_cost + smoothingTokens) / (cost_e + smoothingTokens)``: 1.0 for the cheapest,
 0.5 for twice its cost, so the scorer composes with others by weight, and alone with
