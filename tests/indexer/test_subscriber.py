@@ -423,7 +423,7 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
     """A replay with no answer in time does not stop the stream, nor leave the hole for good:
     one later replay re-applies everything from the missed seq in order.  A repair that gets
     no answer either is given up (counted unrecovered), not retried forever."""
-    config = SubscriberConfig(replay_timeout_s=0.2, replay_interval_s=0.3, reconnect_ivl_ms=20)
+    config = SubscriberConfig(replay_timeout_s=0.2, replay_interval_s=1.0, reconnect_ivl_ms=20)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod()
         pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
@@ -446,17 +446,27 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
         assert stats is not None
         assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
 
+        # Once a replay got no answer, a later gap goes to the pending repair, not a replay
+        # of its own (live batches are not held behind another timeout).
         pod.answer_replays = False
+        requests_before = stats.replays_requested
         lost = await pod.publish(live=False)
-        await publish_and_wait(pod, sink, "pod-a", 2)
+        await publish_and_wait(pod, sink, "pod-a", 1)
         await wait_until(
-            lambda: (pool.endpoint_stats("pod-a") or FeedStats()).gaps_unrecovered == 1,
+            lambda: (pool.endpoint_stats("pod-a") or FeedStats()).replays_failed == 2,
+            "the gap's replay timing out",
+        )
+        lost_too = await pod.publish(live=False)
+        await publish_and_wait(pod, sink, "pod-a", 1)
+        await wait_until(
+            lambda: (pool.endpoint_stats("pod-a") or FeedStats()).gaps_unrecovered == 2,
             "the repair given up",
         )
         stats = pool.endpoint_stats("pod-a")
         assert stats is not None
         assert (stats.replays_failed, stats.gaps_recovered) == (3, 1)
-        assert lost not in sink.applied("pod-a")
+        assert stats.replays_requested - requests_before == 2  # the first gap's, one repair
+        assert lost not in sink.applied("pod-a") and lost_too not in sink.applied("pod-a")
 
 
 async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_it(
