@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from indexer.errors import IndexerError, TokenizationError
 from indexer.events import BlockRemoved, BlockStored, KVEventBatch, block_key
-from indexer.hashing import HASH_ALGOS, HashAlgo, HashConfig, PrefixHasher, event_key
+from indexer.hashing import HASH_ALGOS, HashAlgo, HashConfig, PrefixHasher, event_keys
 from indexer.index import DEFAULT_MAX_ENTRIES, KVBlockIndex
 from indexer.subscriber import CentralSubscriber, SubscriberConfig, SubscriberPool
 from indexer.tokenization import TokenizerRegistry
@@ -503,10 +503,10 @@ class PrecisePrefixCacheScorer(Plugin):
         executor = self.context.executor
         try:
             if executor is None:
-                digests = self._tokenize_and_hash(request)
+                keys = self._tokenize_and_hash(request)
             else:
                 loop = asyncio.get_running_loop()
-                digests = await loop.run_in_executor(executor, self._tokenize_and_hash, request)
+                keys = await loop.run_in_executor(executor, self._tokenize_and_hash, request)
         except TokenizationError as exc:
             self._warn_once(
                 f"tokenize:{request.model}", f"cannot tokenize for {request.model!r}: {exc}"
@@ -515,10 +515,9 @@ class PrecisePrefixCacheScorer(Plugin):
         except IndexerError as exc:
             self._warn_once(f"hash:{request.model}", f"cannot hash for {request.model!r}: {exc}")
             return
-        if digests is None:
+        if keys is None:
             return
         block_size = self._block_size or 0
-        keys = [event_key(d) for d in digests]
         request.data[PREFIX_TOTAL_BLOCKS] = len(keys)
         request.data[_KEYS] = keys
         index = self.index
@@ -639,8 +638,9 @@ class PrecisePrefixCacheScorer(Plugin):
         scores: Mapping[str, float] = request.data.get(_SCORES, {})
         return {ep.address: scores.get(ep.address, 0.0) for ep in endpoints}
 
-    def _tokenize_and_hash(self, request: LLMRequest) -> list[bytes] | None:
-        """Runs in the CPU executor: tokenization and hashing are the request path's heavy work."""
+    def _tokenize_and_hash(self, request: LLMRequest) -> list[int] | None:
+        """The request's block keys as vLLM publishes them.  Runs in the CPU executor:
+        tokenization and hashing are the request path's heavy work."""
         token_ids = request.prompt_token_ids
         if token_ids is None:
             token_ids = self._tokenize(request)
@@ -652,12 +652,13 @@ class PrecisePrefixCacheScorer(Plugin):
         if hasher is None:
             return None
         with self._hasher_lock:  # PrefixHasher's cache is not thread-safe
-            return hasher.digests(
+            digests = hasher.digests(
                 token_ids,
                 lora_name=lora,
                 lora_path=self.p.loraAdapters.get(lora) if lora else None,
                 cache_salt=request.cache_salt,
             )
+        return event_keys(digests)
 
     def _tokenize(self, request: LLMRequest) -> list[int] | None:
         if request.kind == "completions" and isinstance(request.prompt, list):
