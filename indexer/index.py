@@ -343,12 +343,6 @@ class KVBlockIndex:
             removed_total=ep.removed_total,
         )
 
-    def endpoint_blocks(self, endpoint: str) -> int:
-        """Blocks the index holds for one endpoint, on any tier (0 for an unknown endpoint):
-        the cheap part of `endpoint_stats`, read on the request path."""
-        ep = self._endpoints.get(endpoint)
-        return len(ep.keys) if ep is not None else 0
-
     def holders(self, key: int) -> dict[str, str]:
         """Endpoint → best medium for one block key (for debugging and explanations)."""
         mask = self._blocks.get(key & _UINT64, 0)

@@ -65,7 +65,6 @@ from scorers.base import (
     register,
 )
 from scorers.request_data import (
-    KV_FREE_TOKENS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
     record_prefix_matches,
@@ -315,27 +314,6 @@ class SilentPublishers:
         return self._last_batch.keys()
 
 
-def _free_tokens(
-    index: KVBlockIndex, endpoints: Sequence[Endpoint], untrusted: Iterable[str], block_size: int
-) -> dict[str, int]:
-    """KV_FREE_TOKENS: per endpoint with a known capacity, fresh metrics and a trusted event
-    stream, the tokens of KV cache holding no block the index knows of.  vLLM keeps a block's
-    hash until the block is reused, so after a pod has filled its cache once this is about 0
-    for good; it is large on a pod that started recently.  The index counts blocks on every
-    tier, so with CPU offloading it understates the GPU's free room (the safe direction)."""
-    free: dict[str, int] = {}
-    for endpoint in endpoints:
-        metrics = endpoint.metrics
-        capacity = metrics.num_gpu_blocks
-        if capacity is None or endpoint.metrics_stale or endpoint.address in untrusted:
-            continue
-        pod_block = metrics.block_size or block_size
-        held = index.endpoint_blocks(endpoint.address) * block_size
-        # num_gpu_blocks counts vLLM's null block, which never holds a cached block.
-        free[endpoint.address] = max(0, (capacity - 1) * pod_block - held)
-    return free
-
-
 @register("precise-prefix-cache-scorer")
 class PrecisePrefixCacheScorer(Plugin):
     """Scorer, data producer, endpoint listener and lifecycle plugin; see the module docstring."""
@@ -530,7 +508,6 @@ class PrecisePrefixCacheScorer(Plugin):
         blocks = {a: m.blocks for a, m in matches.items()}
         weighted = {a: m.weighted for a, m in matches.items()}
         request.data[_INDEXED_BLOCKS] = dict(blocks)
-        request.data[KV_FREE_TOKENS] = _free_tokens(index, endpoints, untrusted, block_size)
         for address in addresses:
             if address in untrusted:  # a silent publisher: as if it held nothing
                 blocks[address] = 0

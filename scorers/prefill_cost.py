@@ -4,7 +4,7 @@ Time to first token on a pod is, to first order, the prefill work queued ahead o
 plus the request's own uncached prefill, both in tokens of prefill work (DESIGN.md: "decisions
 weigh work, not just ratios").  So the scorer estimates, per candidate ``e``, a cost in tokens:
 
-    cost_e = (uncached_e − evicting_e) + uncachedTokenWeight · evicting_e
+    cost_e = uncachedTokenWeight · (prompt_tokens − cached_tokens_e)
            + queued_prefill_tokens_e
            + inFlightRequestTokens · in_flight_requests_e
            + kv_pressure_e
@@ -15,18 +15,9 @@ weigh work, not just ratios").  So the scorer estimates, per candidate ``e``, a 
   scorer is plain least-work routing.
 * ``queued_prefill_tokens_e``: uncached prompt tokens of requests this EPP routed there that
   have not produced their first token (``Endpoint.load.in_flight_prefill_tokens``): never stale.
-* ``uncached_e`` = prompt_tokens − cached_tokens_e: this request's own prefill there.
-* ``evicting_e``: the part of ``uncached_e`` that does not fit in the endpoint's free KV room
-  (``request.data[KV_FREE_TOKENS]`` less the prefill already queued there) and so evicts cached
-  blocks.  ``uncachedTokenWeight`` > 1 charges those tokens for more than the time they cost
-  this request: an uncached prefill delays every request queued behind it, and a prefix copied
-  to a pod whose cache is full evicts hits other requests would have had.  It is the lever
-  between cache affinity and spreading.  Prefill into free room evicts nothing and costs its
-  time alone: on a fleet that just started (or a pod that just restarted), a burst of requests
-  on a new prefix spreads over the idle pods instead of queueing on the first one to get it.
-  vLLM keeps a block's hash until it reuses the block, so once a pod's cache has filled, every
-  miss there counts as evicting.  Without free-room information (no ``precise-prefix-cache-
-  scorer``, capacity not scraped, stale metrics) every miss counts as evicting.
+* ``uncachedTokenWeight`` > 1 charges a miss for more than the time it costs this request: an
+  uncached prefill delays every request queued behind it, and a prefix copied to a second pod
+  evicts something else there.  It is the lever between cache affinity and spreading.
 * ``in_flight_requests_e`` (decoding requests slow every step and hold KV blocks) and the KV
   term (``kv_cache_usage`` above ``kvPressureThreshold`` costs linearly up to
   ``kvPressureTokens`` at a full cache) weigh load.  The KV term measures load by the memory
@@ -49,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
-from scorers.request_data import KV_FREE_TOKENS, PREFIX_MATCHED_TOKENS
+from scorers.request_data import PREFIX_MATCHED_TOKENS
 
 CHARS_PER_TOKEN_ESTIMATE = 4
 """Prompt length estimate without tokens (the Inference Extension's "estimate" backend)."""
@@ -71,9 +62,8 @@ class PrefillCostParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uncachedTokenWeight: float = Field(default=4.0, ge=0.0, le=100.0)
-    """Cost of one uncached prompt token on a candidate whose KV cache has no free room,
-    relative to one token of prefill already queued there (tokens that fit in free room cost
-    at most 1).  1 = this request's TTFT alone; larger = stickier to the cache.
+    """Cost of one uncached prompt token on a candidate, relative to one token of prefill
+    already queued there.  1 = this request's TTFT alone; larger = stickier to the cache.
     Measured (``benchmarks/routing.py``, Mooncake trace): 1 loses a third of the hits, 3-4 is
     best at every load, 6-8 starts to queue behind hot pods.  Useful range 2-6."""
     inFlightRequestTokens: float = Field(default=250.0, ge=0.0, le=1_000_000.0)
@@ -113,23 +103,15 @@ class PrefillCostScorer(Plugin):
         p = self.p
         total = prompt_tokens(request)
         cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
-        free: Mapping[str, int] = request.data.get(KV_FREE_TOKENS) or {}
-        weight = p.uncachedTokenWeight
-        fitting = min(1.0, weight)
         threshold = p.kvPressureThreshold
         span = 1.0 - threshold
         costs: dict[str, float] = {}
         per_request = p.inFlightRequestTokens
         for endpoint in endpoints:
-            address = endpoint.address
-            uncached = max(0, total - cached.get(address, 0))
-            queued = endpoint.load.in_flight_prefill_tokens
-            room = max(0, free.get(address, 0) - queued)
-            evicting = max(0, uncached - room)
+            uncached = max(0, total - cached.get(endpoint.address, 0))
             cost = (
-                fitting * (uncached - evicting)
-                + weight * evicting
-                + queued
+                p.uncachedTokenWeight * uncached
+                + endpoint.load.in_flight_prefill_tokens
                 + per_request * endpoint.load.in_flight_requests
             )
             if p.waitingRequestTokens and not endpoint.metrics_stale:
@@ -142,7 +124,7 @@ class PrefillCostScorer(Plugin):
                         if span
                         else p.kvPressureTokens
                     )
-            costs[address] = cost
+            costs[endpoint.address] = cost
         return costs
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:

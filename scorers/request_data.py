@@ -23,14 +23,6 @@ PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
 
-KV_FREE_TOKENS (``"kv.free_tokens"``): ``dict[str, int]``
-    Endpoint address → tokens of KV cache the endpoint has that hold no cached block: vLLM's
-    ``num_gpu_blocks`` (scraped from ``vllm:cache_config_info``, minus the null block) less the
-    blocks the KV-event index holds for it, in tokens.  Prefill that fits there evicts nothing.
-    Written in ``prepare`` by ``precise-prefix-cache-scorer`` for endpoints whose capacity is
-    known and whose metrics are fresh; an absent address has no known free room.  Read by
-    ``prefill-cost-scorer``.
-
 SESSION_TOKEN (``"session-token"``): ``str``
     The value the ext_proc layer must send back in the ``x-session-token`` response header:
     base64 of the chosen endpoint's address.  Written by ``session-affinity-scorer`` in
@@ -47,7 +39,6 @@ from scorers.base import LLMRequest
 PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
 PREFIX_MATCHED_TOKENS: Final = "prefix.matched_tokens"
 PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
-KV_FREE_TOKENS: Final = "kv.free_tokens"
 SESSION_TOKEN: Final = "session-token"
 
 

@@ -1,9 +1,7 @@
 """Each benchmarked policy's decision on constructed states, through the real director.
 
 Two simulated pods: the *holder* served a 1,024-token prompt (its KV events are delivered, and the
-approximate scorers saw it routed there); the other pod is *idle*, its cache filled with
-unrelated prompts as in a fleet that has been serving for a while (or left empty, as in a fleet
-that just started, where noted).  The holder is then loaded
+approximate scorers saw it routed there); the other pod is *idle*.  The holder is then loaded
 the way production loads it: requests routed to it through the director (a subset hint pins
 them, so every plugin's bookkeeping sees them in flight) and a scraped waiting queue and KV usage.
 A probe that extends the held prompt by 8 tokens is routed and each policy's pick is checked
@@ -59,25 +57,7 @@ def _other(request_id: str, seed: int) -> LLMRequest:
     return LLMRequest(request_id=request_id, model=MODEL, kind="completions", prompt=tokens)
 
 
-def _fill(replay: Replay, pod: str) -> None:
-    """Run unrelated prompts on ``pod``'s engine until its cache is full of their blocks, and
-    deliver their KV events: the engine's side only, the EPP routed none of them."""
-    engine = replay.engines[replay.addresses.index(pod)]
-    fillers = [TraceRequest(f"fill{i}", 0.0, ((2000 + i, 1000),), 1) for i in range(5)]
-    for request, keys in zip(fillers, workloads.block_keys(fillers, 4), strict=True):
-        engine.add_request(
-            request.request_id,
-            None,
-            1,
-            replay.now,
-            block_keys=keys.tolist(),
-            num_prompt_tokens=1000,
-        )
-    replay.advance(replay.now + 5.0)
-    assert engine.metrics().num_requests_running == 0
-
-
-def _state(policy: str, load: Load, *, idle_full: bool = True) -> tuple[Replay, str, str]:
+def _state(policy: str, load: Load) -> tuple[Replay, str, str]:
     """(replay with the constructed state, holder address, idle address)."""
     replay = Replay(
         HELD, workloads.block_keys(HELD.requests, 4), FLEET, POLICIES[policy].config_yaml
@@ -86,8 +66,6 @@ def _state(policy: str, load: Load, *, idle_full: bool = True) -> tuple[Replay, 
     holder = replay.addresses[result.records[0].pod]
     idle = next(a for a in replay.addresses if a != holder)
     replay.advance(1.0)  # the held prompt's KV events reach the index
-    if idle_full:
-        _fill(replay, idle)
     for i in range(load.in_flight):
         asyncio.run(
             replay.director.route(_other(f"load{i}", i), frozenset({holder.rsplit(":", 1)[0]}))
@@ -136,9 +114,9 @@ def _pick(replay: Replay, request_id: str) -> str:
         ("dynamo", LIGHT, "holder"),
         ("dynamo", MANY_DECODES, "idle"),
         ("dynamo", OVERLOADED, "idle"),
-        # default: 4 × uncached (the idle pod's cache is full) + queued prefill + 250 per
-        # request in flight + 16,384 × KV usage.  LIGHT: holder 4·8 + 2·64 + 2·250 + 3,277 =
-        # 3,937 < idle 4·1,032 = 4,128; MANY_DECODES: 32 + 1,280 + 5,000 + 8,192 > 4,128.
+        # default: 4 × uncached + queued prefill + 500 per request in flight (+ KV pressure
+        # over 90 %).  LIGHT: holder 4·8 + 2·64 + 2·500 = 1,160 < idle 4·1,032 = 4,128;
+        # MANY_DECODES: 4·8 + 20·64 + 20·500 = 11,312 > 4,128.
         ("default", LIGHT, "holder"),
         ("default", MANY_DECODES, "idle"),
         ("default", OVERLOADED, "idle"),
@@ -147,14 +125,6 @@ def _pick(replay: Replay, request_id: str) -> str:
 def test_each_policy_picks_by_its_rule(policy: str, load: Load, expected: str) -> None:
     replay, holder, idle = _state(policy, load)
     assert _pick(replay, "probe") == {"holder": holder, "idle": idle}[expected]
-
-
-def test_default_fills_a_cold_pod_before_it_evicts() -> None:
-    # The idle pod just started: the probe's 1,032 tokens fit in its free KV room and evict
-    # nothing, so they cost their prefill time alone (1,032), less than LIGHT's load on the
-    # holder (3,937).  With the idle pod's cache full, the same state keeps the prefix (above).
-    replay, _, idle = _state("default", LIGHT, idle_full=False)
-    assert _pick(replay, "probe") == idle
 
 
 def test_round_robin_takes_each_pod_in_turn_whatever_the_cache() -> None:

@@ -89,7 +89,6 @@ def test_block_removed_and_all_blocks_cleared_touch_only_their_endpoint() -> Non
     index.apply(B, _batch(AllBlocksCleared()))
     assert index.longest_prefix([1, 2, 3], [A, B]) == {A: 1, B: 0}
     assert index.endpoint_stats(B).blocks == 0 and index.endpoint_stats(A).blocks == 2
-    assert index.endpoint_blocks(A) == 2 and index.endpoint_blocks("never-seen:1") == 0
     assert index.cleared_total == 3 and index.entries == 2 and index.blocks == 2
     # Removing what is not held is a no-op.
     index.remove(A, [2, 99])

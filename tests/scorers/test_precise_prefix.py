@@ -22,7 +22,6 @@ from scorers.base import (
 )
 from scorers.precise_prefix import PrecisePrefixCacheScorer
 from scorers.request_data import (
-    KV_FREE_TOKENS,
     PREFIX_MATCHED_BLOCKS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
@@ -166,25 +165,6 @@ def test_block_size_is_learned_from_cache_config_metrics() -> None:
     _score(plugin, request, eps)
     assert plugin.block_size == 8
     assert request.data[PREFIX_TOTAL_BLOCKS] == 5
-
-
-def test_free_kv_room_is_capacity_less_the_indexed_blocks() -> None:
-    eps = _endpoints()
-    # A: 101 blocks of 4 (one is vLLM's null block) and 8 indexed; B: capacity not scraped;
-    # C: capacity known but its metrics are stale.
-    eps[0].metrics = EndpointMetrics(block_size=4, num_gpu_blocks=101)
-    eps[2].metrics = EndpointMetrics(block_size=4, num_gpu_blocks=101)
-    eps[2].metrics_stale = True
-    plugin = _plugin({"blockSize": 4}, eps)
-    plugin.apply(A, _stored(list(range(1, 33)), block_size=4))
-    request = LLMRequest(request_id="r", model="m", prompt=list(range(500, 540)))
-    _score(plugin, request, eps)
-    assert request.data[KV_FREE_TOKENS] == {A: (100 - 8) * 4}
-    # A pod whose cache holds more than its capacity (a stale scrape) has no room, not less.
-    eps[0].metrics = EndpointMetrics(block_size=4, num_gpu_blocks=5)
-    request = LLMRequest(request_id="r2", model="m", prompt=list(range(500, 540)))
-    _score(plugin, request, eps)
-    assert request.data[KV_FREE_TOKENS] == {A: 0}
 
 
 def test_unknown_block_size_scores_zero_without_failing() -> None:

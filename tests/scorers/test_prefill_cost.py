@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scorers.base import Endpoint, EndpointLoad, EndpointMetrics, PluginConfigError
-from scorers.request_data import KV_FREE_TOKENS, PREFIX_MATCHED_TOKENS
+from scorers.request_data import PREFIX_MATCHED_TOKENS
 from tests.scorers.plugin_helpers import make, request
 
 PARAMS = {"uncachedTokenWeight": 4, "inFlightRequestTokens": 200, "kvPressureTokens": 0}
@@ -50,31 +50,6 @@ def test_cache_holder_wins_until_its_queue_outweighs_a_full_prefill() -> None:
     # Holder: 4·0 + queued; idle pod: 4·6000 = 24,000.  A hot prefix spills past that queue.
     assert best(scorer.score(req, [ep("holder", queued=20_000), ep("idle")])) == "holder"
     assert best(scorer.score(req, [ep("holder", queued=30_000), ep("idle")])) == "idle"
-
-
-def test_prefill_into_free_kv_room_costs_its_time_alone() -> None:
-    scorer = make("prefill-cost-scorer", PARAMS)
-    req = prompt(3000, {"holder": 2000})
-    req.data[KV_FREE_TOKENS] = {"empty": 100_000, "part": 1800, "queued": 2000}
-    eps = [ep("holder", queued=3000), ep("empty"), ep("part"), ep("queued", queued=1500)]
-    assert scorer.costs(req, eps) == {
-        "holder": 4 * 1000 + 3000,  # no free-room information: every miss evicts
-        "empty": 3000,
-        "part": 1800 + 4 * 1200,
-        # The prefill queued there takes 1,500 of its 2,000 free tokens first.
-        "queued": 500 + 4 * 2500 + 1500,
-    }
-    # A burst on a new prefix spreads to an idle pod with room, which a full one would not get.
-    assert best(scorer.score(req, eps)) == "empty"
-    req.data[KV_FREE_TOKENS] = {}
-    assert best(scorer.score(req, eps)) == "holder"
-
-
-def test_a_weight_below_one_applies_to_tokens_in_free_room_too() -> None:
-    scorer = make("prefill-cost-scorer", {**PARAMS, "uncachedTokenWeight": 0.5})
-    req = prompt(1000)
-    req.data[KV_FREE_TOKENS] = {"a": 10_000}
-    assert scorer.costs(req, [ep("a"), ep("b")]) == {"a": 500, "b": 500}
 
 
 def test_without_prefix_information_it_is_least_work_routing() -> None:
