@@ -104,6 +104,7 @@ plugins:
 - type: prefill-cost-scorer
   parameters:
     uncachedTokenWeight: 4
+    uncomputedTokenWeight: 2
     inFlightRequestTokens: 250
     kvPressureThreshold: 0.0
     kvPressureTokens: 16384

@@ -65,6 +65,7 @@ from scorers.base import (
     register,
 )
 from scorers.request_data import (
+    PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
     record_prefix_matches,
@@ -512,6 +513,8 @@ class PrecisePrefixCacheScorer(Plugin):
             if address in untrusted:  # a silent publisher: as if it held nothing
                 blocks[address] = 0
                 weighted[address] = 0.0
+        computed = max((blocks[a] for a in trusted), default=0)
+        request.data[PREFIX_COMPUTED_TOKENS] = computed * block_size
         predictions = self.predictions
         if predictions:
             now = self.context.clock()

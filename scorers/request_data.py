@@ -19,6 +19,12 @@ PREFIX_MATCHED_TOKENS (``"prefix.matched_tokens"``): ``dict[str, int]``
     precise scorer's consecutive matched blocks × block size).  Read by the director to account
     the prefill work a routed request adds to its endpoint, and by cost-based scorers.
 
+PREFIX_COMPUTED_TOKENS (``"prefix.computed_tokens"``): ``int``
+    The longest prefix of the prompt, in tokens, that any trusted endpoint really holds
+    according to the KV-event index (predicted entries excluded): the part of the prompt some
+    pod has already computed.  Written by ``precise-prefix-cache-scorer``; read by
+    ``prefill-cost-scorer`` to tell copying a prefix from computing it for the first time.
+
 PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
@@ -38,6 +44,7 @@ from scorers.base import LLMRequest
 
 PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
 PREFIX_MATCHED_TOKENS: Final = "prefix.matched_tokens"
+PREFIX_COMPUTED_TOKENS: Final = "prefix.computed_tokens"
 PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
 SESSION_TOKEN: Final = "session-token"
 

@@ -114,9 +114,10 @@ def _pick(replay: Replay, request_id: str) -> str:
         ("dynamo", LIGHT, "holder"),
         ("dynamo", MANY_DECODES, "idle"),
         ("dynamo", OVERLOADED, "idle"),
-        # default: 4 × uncached + queued prefill + 500 per request in flight (+ KV pressure
-        # over 90 %).  LIGHT: holder 4·8 + 2·64 + 2·500 = 1,160 < idle 4·1,032 = 4,128;
-        # MANY_DECODES: 4·8 + 20·64 + 20·500 = 11,312 > 4,128.
+        # default: 4 × uncached tokens some pod computed + 2 × tokens new to the fleet + queued
+        # prefill + 250 per request in flight + 16384 × KV usage.  LIGHT: holder 2·8 + 2·64
+        # + 2·250 + 0.2·16384 = 3,921 < idle 4·1,024 + 2·8 = 4,112; MANY_DECODES: 2·8 + 20·64
+        # + 20·250 + 0.5·16384 = 14,488 > 4,112.
         ("default", LIGHT, "holder"),
         ("default", MANY_DECODES, "idle"),
         ("default", OVERLOADED, "idle"),
@@ -136,3 +137,30 @@ def test_round_robin_takes_each_pod_in_turn_whatever_the_cache() -> None:
 def test_random_uses_both_pods_whatever_the_cache() -> None:
     replay, _, _ = _state("random", LIGHT)
     assert len({_pick(replay, f"probe{i}") for i in range(32)}) == 2
+
+
+def _cold_burst(config_yaml: str) -> list[int]:
+    """Requests per pod when 10 requests sharing a new 2,000-token prefix, and 2 unrelated
+    ones, arrive within 22 ms at 4 idle pods: no KV event arrives before the last decision."""
+    requests = tuple(
+        TraceRequest(f"u{i}", i * 0.002, ((500 + i, 1700),), 64)
+        if i in (3, 8)
+        else TraceRequest(f"s{i}", i * 0.002, ((1, 2000), (100 + i, 600)), 180)
+        for i in range(12)
+    )
+    burst = Workload("burst", "a cold burst on one prefix", requests)
+    fleet = FleetSpec(pods=4, capacity_tokens=1199 * 16)
+    replay = Replay(burst, workloads.block_keys(requests, 16), fleet, config_yaml)
+    return sorted(asyncio.run(replay.run()).decisions_per_pod)
+
+
+def test_default_spreads_a_cold_burst_of_a_new_prefix_instead_of_queueing_it_on_one_pod() -> None:
+    config = POLICIES["default"].config_yaml
+    assert "uncomputedTokenWeight: 2" in config
+    # Tokens nobody has computed cost 2 per token everywhere, so once the first pod's queued
+    # prefill outweighs that, the next request computes the prefix on another pod.
+    spread = _cold_burst(config)
+    assert min(spread) >= 2 and max(spread) <= 4, spread
+    # Charging them like copies (4) keeps the burst on the pod predicted to hold the prefix.
+    sticky = _cold_burst(config.replace("uncomputedTokenWeight: 2", "uncomputedTokenWeight: 4"))
+    assert max(sticky) >= 6, sticky

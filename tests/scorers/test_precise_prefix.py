@@ -22,6 +22,7 @@ from scorers.base import (
 )
 from scorers.precise_prefix import PrecisePrefixCacheScorer
 from scorers.request_data import (
+    PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_BLOCKS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
@@ -119,6 +120,7 @@ def test_chat_prefix_held_by_one_pod_scores_highest(llama3_tokenizer_dir: Path) 
     matched = follow_up.data[PREFIX_MATCHED_BLOCKS]
     assert scores[A] == pytest.approx(matched[A] / total)
     assert follow_up.data[PREFIX_MATCHED_TOKENS][A] == matched[A] * 16
+    assert follow_up.data[PREFIX_COMPUTED_TOKENS] == matched[A] * 16  # A's is the longest
     assert follow_up.prompt_token_ids == tok.encode_chat(follow_up.messages or [])
 
 
@@ -308,6 +310,7 @@ def test_a_burst_of_one_new_prefix_lands_on_one_pod_before_any_event() -> None:
     request = LLMRequest(request_id="x", model="m", prompt=system + [7] * 4)
     asyncio.run(plugin.prepare(request, eps))
     assert request.data[PREFIX_MATCHED_TOKENS] == {C: 40}
+    assert request.data[PREFIX_COMPUTED_TOKENS] == 0  # nobody has computed it yet
     assert plugin.index is not None and plugin.index.entries == 0  # predictions only
 
 

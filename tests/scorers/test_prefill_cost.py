@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scorers.base import Endpoint, EndpointLoad, EndpointMetrics, PluginConfigError
-from scorers.request_data import PREFIX_MATCHED_TOKENS
+from scorers.request_data import PREFIX_COMPUTED_TOKENS, PREFIX_MATCHED_TOKENS
 from tests.scorers.plugin_helpers import make, request
 
 PARAMS = {"uncachedTokenWeight": 4, "inFlightRequestTokens": 200, "kvPressureTokens": 0}
@@ -42,6 +42,23 @@ def test_cost_is_weighted_uncached_plus_queued_plus_in_flight() -> None:
     scores = scorer.score(req, eps)
     assert scores["a"] == 1.0
     assert scores["b"] == pytest.approx((9400 + 16) / (40_000 + 16))
+
+
+def test_tokens_no_pod_has_computed_cost_the_uncomputed_weight() -> None:
+    scorer = make("prefill-cost-scorer", {**PARAMS, "uncomputedTokenWeight": 1.5})
+    eps = [ep("real"), ep("predicted"), ep("cold")]
+    # 10,000 tokens: "real" holds 3,000 per the KV events (so some pod computed 3,000);
+    # "predicted" is predicted to hold 6,000 (a routed prefill still running).
+    req = prompt(10_000, {"real": 3000, "predicted": 6000})
+    req.data[PREFIX_COMPUTED_TOKENS] = 3000
+    assert scorer.costs(req, eps) == {
+        "real": 1.5 * 7000,
+        "predicted": 1.5 * 4000,
+        "cold": 4 * 3000 + 1.5 * 7000,
+    }
+    # Without the fleet-wide fact (no precise scorer), every uncached token is a copy.
+    del req.data[PREFIX_COMPUTED_TOKENS]
+    assert scorer.costs(req, eps)["cold"] == 4 * 10_000
 
 
 def test_cache_holder_wins_until_its_queue_outweighs_a_full_prefill() -> None:
