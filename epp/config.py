@@ -90,8 +90,9 @@ DEFAULT_CONFIG_YAML: Final = """\
 # and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
 # events, plus predicted entries for requests routed in the last 2 s whose events have not
 # arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
-# 4 x uncached prompt tokens + prefill already queued there + 250 per request in flight
-# + 16384 x the pod's KV-cache usage (0-1); max-score-picker takes the cheapest.
+# 4 x uncached prompt tokens another pod already computed + 2 x those no pod has computed yet
+# + prefill already queued there + 250 per request in flight + 16384 x the pod's KV-cache usage
+# (0-1); max-score-picker takes the cheapest.
 # Without a tokenizer for text prompts, or without KV events, this is least-work routing.
 # Benchmarks and tuning: docs/routing-results.md (python -m benchmarks.routing).
 apiVersion: inference.networking.x-k8s.io/v1alpha1
