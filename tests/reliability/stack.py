@@ -278,9 +278,9 @@ class Stack:
             *epp_args,
         ]
         for r in range(replicas):
-            ports = EppPorts.free()
-            args = epp_command(ports, serve_options, log_level="warning")
-            self.replicas.append(Replica(ports, args, self.work / f"epp-{r}.log"))
+            replica_ports = EppPorts.free()
+            args = epp_command(replica_ports, serve_options, log_level="warning")
+            self.replicas.append(Replica(replica_ports, args, self.work / f"epp-{r}.log"))
             self.start_replica(r)
         self.envoy = start_loopback_envoy(
             self.replicas[0].ports.grpc,
