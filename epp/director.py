@@ -120,6 +120,19 @@ class Director:
             raise NoReadyEndpointsError("the picker chose no endpoint")
         primary = targets[0]
         self._observe_hit_ratio(request, primary)
+        if logger.isEnabledFor(logging.DEBUG):
+            # One line per decision at --log-level debug: enough to replay a burst's order,
+            # picks and the prefix each candidate was believed to hold.
+            logger.debug(
+                "request %s -> %s: %d prompt tokens, cached tokens by endpoint %s, "
+                "%d candidates, decided in %.1f ms",
+                request.request_id,
+                primary,
+                prompt_tokens_estimate(request),
+                request.data.get(PREFIX_MATCHED_TOKENS) or {},
+                len(candidates),
+                1000 * (time.perf_counter() - started),
+            )
         return self._track(request, targets, len(candidates))
 
     def route_without_body(
@@ -168,6 +181,13 @@ class Director:
         decision.first_byte_seen = True
         if decision.in_flight is not None:
             decision.in_flight.first_token()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s: first byte from %s %.1f ms after the decision",
+                decision.request.request_id,
+                decision.targets[0] if decision.targets else "-",
+                1000 * (time.perf_counter() - decision.decided_at),
+            )
         if self.telemetry is not None:
             model = decision.request.model
             self.telemetry.request_ttft.labels(model, model).observe(

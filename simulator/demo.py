@@ -380,7 +380,8 @@ async def run_demo(
             "--drain-timeout",
             "1s",
         ]
-        epp = procs.add("epp", spawn(epp_command(epp_ports, serve_options), log))
+        command = epp_command(epp_ports, serve_options, log_level=args.epp_log_level)
+        epp = procs.add("epp", spawn(command, log))
         await asyncio.to_thread(wait_grpc_ready, epp_ports.health, epp, log)
         await reset_pods(pods)
         await asyncio.sleep(0.5)  # let the EPP index see the resets
@@ -477,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", help="EndpointPickerConfig to compare with round-robin instead of the default"
     )
     parser.add_argument("--workdir", help="keep logs and configs here instead of a temp dir")
+    parser.add_argument(
+        "--epp-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the EPP's --log-level; debug logs every decision and first byte (with --workdir)",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     return parser
 

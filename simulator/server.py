@@ -1118,17 +1118,22 @@ class SimulatedPod:
             return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
         try:
-            if kind == "chat":
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                await response.write(chunk([first]))
+            # vLLM's chat stream sends the role chunk on the engine's first output, i.e. with
+            # the first token, not when the request is accepted: a proxy or EPP that takes the
+            # first body byte for the end of prefill must see it then.
+            role_pending = kind == "chat"
             completion_tokens = 0
             stats: RequestStats | None = None
             async for out in self._outputs(flight):
+                if role_pending:
+                    role_pending = False
+                    first = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    await response.write(chunk([first]))
                 completion_tokens += out.num_new_tokens
                 stats = out.stats
                 finish = "length" if out.stats is not None else None

@@ -243,6 +243,32 @@ async def test_chat_streaming_and_not(pod: Pod) -> None:
     assert [c["choices"][0]["finish_reason"] for c in completion_events[:-1]][-1] == "length"
 
 
+async def test_the_chat_role_chunk_comes_with_the_first_token(pod: Pod) -> None:
+    """vLLM yields the role chunk on the engine's first output: the first body byte a proxy
+    sees marks the end of prefill (the EPP's queued-prefill accounting relies on it)."""
+    ttft_sum = "vllm:time_to_first_token_seconds_sum"
+    before = metric(await get_text(f"{pod.url}/metrics"), ttft_sum)
+    # ~3,000 new tokens: two prefill chunks on tiny-cpu, tens of milliseconds even at 4x speed.
+    messages = [{"role": "user", "content": "Role chunk timing. " + LONG_TEXT * 14}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        started = time.perf_counter()
+        async with session.post(f"{pod.url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            first_line = b""
+            while not first_line.strip():
+                first_line = await response.content.readline()
+            first_byte = time.perf_counter() - started
+            rest = await response.read()
+    first = json.loads(first_line.decode()[len("data: ") :])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    pod_ttft = metric(await get_text(f"{pod.url}/metrics"), ttft_sum) - before
+    assert pod_ttft > 0.01, pod_ttft  # long enough for an early chunk to show
+    # The client's clock starts before the pod's and stops after it sent the chunk.
+    assert first_byte >= pod_ttft, (first_byte, pod_ttft)
+
+
 async def test_models_health_metrics_and_errors(pod: Pod) -> None:
     models = json.loads(await get_text(f"{pod.url}/v1/models"))
     assert [m["id"] for m in models["data"]] == [MODEL, "sql-lora"]
