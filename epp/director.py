@@ -29,10 +29,6 @@ from scorers.request_data import (
 
 logger = logging.getLogger(__name__)
 
-# Without a tokenizer the prompt length is estimated from characters (the Inference Extension's
-# "estimate" tokenizer backend uses the same 4 bytes per token).
-CHARS_PER_TOKEN_ESTIMATE = 4
-
 
 @dataclass(slots=True)
 class TrackedDecision(RoutingDecision):
@@ -55,18 +51,10 @@ def filter_by_subset(
     return [ep for ep in endpoints if ep.ip in subset]
 
 
-def prompt_tokens_estimate(request: LLMRequest) -> int:
-    if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids)
-    if isinstance(request.prompt, list):
-        return len(request.prompt)
-    return request.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
-
-
 def uncached_prompt_tokens(request: LLMRequest, address: str) -> int:
     """Prefill work this request adds to ``address``: its prompt minus what that endpoint is
     believed to hold (exact tokens from the precise scorer when it ran)."""
-    total = prompt_tokens_estimate(request)
+    total = request.prompt_tokens
     matched_tokens: dict[str, int] | None = request.data.get(PREFIX_MATCHED_TOKENS)
     if matched_tokens is not None:
         return max(0, total - matched_tokens.get(address, 0))
@@ -128,7 +116,7 @@ class Director:
                 "%d candidates, decided in %.1f ms",
                 request.request_id,
                 primary,
-                prompt_tokens_estimate(request),
+                request.prompt_tokens,
                 request.data.get(PREFIX_MATCHED_TOKENS) or {},
                 len(candidates),
                 1000 * (time.perf_counter() - started),

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Final, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -101,6 +101,10 @@ class Endpoint:
 
 RequestKind = Literal["completions", "chat", "other"]
 
+CHARS_PER_TOKEN_ESTIMATE: Final = 4
+"""Prompt length estimate without tokens (the Inference Extension's "estimate" tokenizer
+backend uses the same 4 bytes per token)."""
+
 
 @dataclass(slots=True)
 class LLMRequest:
@@ -129,6 +133,16 @@ class LLMRequest:
         if self.messages is not None:
             return sum(len(str(m.get("content", ""))) for m in self.messages)
         return 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens: exact when a producer tokenized it or it is token
+        ids, else estimated from characters."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if isinstance(self.prompt, list):
+            return len(self.prompt)
+        return self.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
 
 
 @dataclass(slots=True, frozen=True)

@@ -37,7 +37,6 @@ from scorers.base import (
     register,
 )
 from scorers.precise_prefix import BLOCK_KEYS
-from scorers.prefill_cost import prompt_tokens
 from scorers.request_data import PREFIX_MATCHED_TOKENS
 
 
@@ -100,7 +99,7 @@ class DynamoCostScorer(Plugin):
         return blocks - shared
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        tokens = prompt_tokens(request)
+        tokens = request.prompt_tokens
         cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
         keys: list[int] | None = request.data.get(BLOCK_KEYS)
         weight = self.p.overlapScoreWeight
@@ -141,7 +140,7 @@ class DynamoCostScorer(Plugin):
             self._requests[request.request_id] = (address, keys, 0)
         else:
             size = targets[0].metrics.block_size or self.p.blockSize
-            count = len(keys) if keys is not None else prompt_tokens(request) // size
+            count = len(keys) if keys is not None else request.prompt_tokens // size
             active.anonymous += count
             self._requests[request.request_id] = (address, None, count)
 

@@ -48,19 +48,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
 from scorers.request_data import PREFIX_COMPUTED_TOKENS, PREFIX_MATCHED_TOKENS
 
-CHARS_PER_TOKEN_ESTIMATE = 4
-"""Prompt length estimate without tokens (the Inference Extension's "estimate" backend)."""
-
-
-def prompt_tokens(request: LLMRequest) -> int:
-    """The prompt's length in tokens: exact when a producer tokenized it or it is token ids,
-    else estimated from characters."""
-    if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids)
-    if isinstance(request.prompt, list):
-        return len(request.prompt)
-    return request.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
-
 
 class PrefillCostParameters(BaseModel):
     """Weights of ``prefill-cost-scorer`` (module docstring); every term is in prompt tokens."""
@@ -117,7 +104,7 @@ class PrefillCostScorer(Plugin):
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
         and tests)."""
         p = self.p
-        total = prompt_tokens(request)
+        total = request.prompt_tokens
         cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
         computed: int | None = request.data.get(PREFIX_COMPUTED_TOKENS)
         fresh_weight = p.uncomputedTokenWeight
