@@ -18,7 +18,11 @@ from collections.abc import Sequence
 
 from epp.config import ConfigError, build_scheduler, load_config
 from epp.requests import DEFAULT_MAX_BODY_BYTES
-from epp.scraping import DEFAULT_FAILURE_THRESHOLD, DEFAULT_UNREACHABLE_AFTER
+from epp.scraping import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_SCRAPE_TIMEOUT,
+    DEFAULT_UNREACHABLE_AFTER,
+)
 from epp.server import ServerOptions, serve
 from scorers.base import Endpoint, PluginContext
 
@@ -143,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.05,
         help="how often each endpoint's /metrics is scraped (e.g. 50ms)",
     )
-    m.add_argument("--metrics-timeout", type=duration, default=1.0, help="timeout of one scrape")
+    m.add_argument(
+        "--metrics-timeout",
+        type=duration,
+        default=DEFAULT_SCRAPE_TIMEOUT,
+        help="how long one scrape waits for an answer (a busy vLLM answers late; the metrics "
+        "it had age meanwhile)",
+    )
     m.add_argument(
         "--saturation-staleness",
         type=duration,
@@ -154,16 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint-failure-threshold",
         type=optional_positive_int,
         default=DEFAULT_FAILURE_THRESHOLD,
-        help="scrapes in a row without an HTTP answer (refused, reset, timed out) after which "
-        "an endpoint is unreachable and gets no requests until it answers again; 'off' to disable",
+        help="scrapes in a row whose connection was refused or reset after which an endpoint "
+        "is unreachable and gets no requests until it answers again; 'off' to disable",
     )
     m.add_argument(
         "--endpoint-unreachable-after",
         type=optional_duration,
         default=DEFAULT_UNREACHABLE_AFTER,
-        help="an endpoint whose scrape has waited this long for an answer is unreachable (a hung "
-        "pod); 'off' to disable.  When every candidate is unreachable, requests are routed "
-        "among them anyway (fail-open)",
+        help="an endpoint whose scrape has waited this long (or 3 times its slowest recent "
+        "answer) with no other sign of life (KV events, response bytes) is unreachable: a hung "
+        "pod, not a busy one; 'off' to disable.  When every candidate is unreachable, requests "
+        "are routed among them anyway (fail-open)",
     )
     r = s.add_argument_group("request handling")
     r.add_argument(

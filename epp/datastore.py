@@ -13,10 +13,18 @@ treats metrics older than 200 ms as 100 % saturated (anchors §4.3); with the 50
 interval that is four missed scrapes in a row.  The flag is recomputed by `endpoints()` and
 `get()` with one clock read per call, so readers never see a flag older than their read.
 
-Reachability: stale metrics make an endpoint look saturated, they do not remove it.  An endpoint
-that stops *answering* is another matter: the scraper (`epp.scraping`) marks it unreachable
-(`mark_unreachable`) when its ``/metrics`` gets no HTTP answer (refused, reset, timed out) several
-times in a row or for too long, and reachable again at the first answer.  `routable` drops
+Each endpoint also carries ``metrics_age`` (seconds since its last good scrape, infinite when
+never scraped), refreshed the same way: scorers that weigh load widen their uncertainty with it
+instead of treating a busy pod's slow ``/metrics`` as a full one.
+
+Reachability: stale metrics make an endpoint look saturated to the plugins that follow the
+Inference Extension's rule, they do not remove it.  An endpoint that is *dead* is another matter:
+the scraper (`epp.scraping`) marks it unreachable (`mark_unreachable`) when its ``/metrics``
+connection is refused or reset several times in a row, or when a scrape has waited long without
+an answer and the endpoint showed no other sign of life (`saw_alive`: a KV-event batch, a response
+byte of a request routed there, any HTTP answer) meanwhile; and reachable again at the first
+answer.  A busy pod answers late but keeps streaming tokens and publishing events, so it stays
+routable on its aging metrics.  `routable` drops
 unreachable endpoints from a candidate list, except when that would leave none: then every
 candidate is returned (fail-open), because the EPP's view may be the wrong one (the EPP cut off
 from the pods, its loop stalled) and a request sent to a pod that really is down fails in Envoy
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -156,9 +165,10 @@ class Datastore:
         self._synced = False
         self._synced_event = asyncio.Event()
         self._unreachable: dict[str, str] = {}  # address → why (for logs and debugging)
+        self._alive_at: dict[str, float] = {}  # address → clock time of its last sign of life
         # Counters for telemetry (read them, do not write them).
-        self.unreachable_marks_total = 0
-        """Times an endpoint went from reachable to unreachable."""
+        self.unreachable_marks: dict[str, int] = {}
+        """Times an endpoint went from reachable to unreachable, by reason category."""
         self.fail_open_total = 0
         """Candidate lists in which every endpoint was unreachable and all were kept."""
 
@@ -278,6 +288,7 @@ class Datastore:
         """Forget an endpoint; requests still in flight to it finish against its old load."""
         self._specs.pop(address, None)
         self._unreachable.pop(address, None)
+        self._alive_at.pop(address, None)
         ep = self._endpoints.pop(address, None)
         if ep is not None:
             self._notify("endpoint_removed", ep)
@@ -316,35 +327,47 @@ class Datastore:
         if metrics.updated_at is None:
             metrics.updated_at = self.clock()
         ep.metrics = metrics
-        ep.metrics_stale = self._is_stale(metrics, self.clock())
+        self._refresh_staleness((ep,))
         return True
-
-    def _is_stale(self, metrics: EndpointMetrics, now: float) -> bool:
-        threshold = self.staleness_threshold
-        if threshold is None:
-            return False
-        updated = metrics.updated_at
-        return updated is None or now - updated > threshold
 
     def _refresh_staleness(self, eps: Iterable[Endpoint]) -> None:
         threshold = self.staleness_threshold
-        if threshold is None:
-            return
         now = self.clock()
         for ep in eps:
             updated = ep.metrics.updated_at
-            ep.metrics_stale = updated is None or now - updated > threshold
+            age = math.inf if updated is None else max(0.0, now - updated)
+            ep.metrics_age = age
+            ep.metrics_stale = threshold is not None and age > threshold
 
     # -- reachability (fed by the scraper) ------------------------------------------------------
 
-    def mark_unreachable(self, address: str, reason: str) -> bool:
-        """The endpoint stopped answering; `routable` leaves it out until `mark_reachable`.
-        Returns True when this changed its state (unknown addresses are ignored)."""
+    def saw_alive(self, address: str) -> None:
+        """The endpoint did something only a live server does (published a KV-event batch,
+        sent a response byte, answered an HTTP request): evidence against marking it dead."""
+        if address in self._endpoints:
+            self._alive_at[address] = self.clock()
+
+    def alive_within(self, address: str, seconds: float) -> bool:
+        """Whether the endpoint showed a sign of life in the last ``seconds``."""
+        at = self._alive_at.get(address)
+        return at is not None and self.clock() - at <= seconds
+
+    def mark_unreachable(self, address: str, reason: str, category: str = "other") -> bool:
+        """The endpoint is dead as far as the EPP can tell; `routable` leaves it out until
+        `mark_reachable`.  ``category`` is a short label for the transition counter
+        (``connection_refused``, ``connection_reset``, ``no_sign_of_life``); ``reason`` the
+        sentence for logs.  Returns True when this changed its state (unknown addresses are
+        ignored)."""
         if address not in self._endpoints or address in self._unreachable:
             return False
         self._unreachable[address] = reason
-        self.unreachable_marks_total += 1
+        self.unreachable_marks[category] = self.unreachable_marks.get(category, 0) + 1
         return True
+
+    @property
+    def unreachable_marks_total(self) -> int:
+        """Times an endpoint went from reachable to unreachable, whatever the reason."""
+        return sum(self.unreachable_marks.values())
 
     def mark_reachable(self, address: str) -> bool:
         """The endpoint answered again.  Returns True when it was unreachable."""

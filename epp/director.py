@@ -164,7 +164,11 @@ class Director:
             decision.status = status
 
     def response_chunk(self, decision: RoutingDecision) -> None:
-        if not isinstance(decision, TrackedDecision) or decision.first_byte_seen:
+        if not isinstance(decision, TrackedDecision):
+            return
+        if decision.targets:
+            self.datastore.saw_alive(decision.targets[0])
+        if decision.first_byte_seen:
             return
         decision.first_byte_seen = True
         if decision.in_flight is not None:

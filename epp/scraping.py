@@ -19,14 +19,22 @@ page, whose missing new gauge name costs a full scan), less than the aiohttp req
 (~120 µs client and server together on loopback).  ``python -m tests.epp.test_scraping``
 reprints the comparison.
 
-Reachability (dead and hung pods): vLLM serves ``/metrics`` from the same API server as
-inference, so a scrape that gets no HTTP answer says the pod cannot take requests either.  An
-endpoint is marked unreachable in the datastore, and dropped from candidates, when
-``failure_threshold`` scrapes in a row got no answer (connection refused or reset, timeout: a
-killed pod, about 3 × 50 ms with the defaults) or one scrape has waited ``unreachable_after``
-seconds for its answer (a hung pod whose kernel still accepts connections: 1 s by default).  Any
-HTTP answer, even an error status or a page that does not parse, marks it reachable again: a
-server that answers garbage is alive, its metrics merely go stale (and it looks saturated).
+Reachability (dead and hung pods, not busy ones): vLLM serves ``/metrics`` from the same API
+server as inference, so its answer slows down when the pod is busy (more than a second on a loaded
+CPU server) without the pod being any less able to serve.  So a late answer is never, by itself,
+a reason to stop routing there.  An endpoint is marked unreachable in the datastore, and dropped
+from candidates, only when
+
+* its connection is refused or reset ``failure_threshold`` times in a row (a killed pod: about
+  3 × 50 ms with the defaults), or
+* a scrape has waited ``unreachable_after`` seconds (or three times the slowest recent answer,
+  whichever is longer) and the pod showed no sign of life meanwhile: no KV-event batch, no
+  response byte of a request routed there, no HTTP answer (`Datastore.saw_alive`).  That is a
+  hung pod (SIGSTOP, a wedged process whose kernel still accepts connections): 1 s by default.
+
+A scrape that times out leaves the last metrics in place, aging (``Endpoint.metrics_age``).  Any
+HTTP answer, even an error status or a page that does not parse, marks the endpoint reachable
+again: a server that answers garbage is alive, its metrics merely go stale.
 """
 
 from __future__ import annotations
@@ -50,9 +58,14 @@ from scorers.base import Endpoint, EndpointMetrics
 log = logging.getLogger(__name__)
 
 DEFAULT_SCRAPE_INTERVAL = 0.05  # --refresh-metrics-interval in the Inference Extension
-DEFAULT_SCRAPE_TIMEOUT = 1.0
-DEFAULT_FAILURE_THRESHOLD = 3  # unanswered scrapes in a row before an endpoint is unreachable
-DEFAULT_UNREACHABLE_AFTER = 1.0  # seconds one scrape may wait for an answer
+DEFAULT_SCRAPE_TIMEOUT = 5.0  # a busy vLLM answers late; a later answer beats a new attempt
+DEFAULT_FAILURE_THRESHOLD = 3  # refused or reset connections in a row before "unreachable"
+DEFAULT_UNREACHABLE_AFTER = 1.0  # seconds without an answer or any other sign of life
+# A scrape may wait this many times the endpoint's slowest recent answer before its silence
+# counts (a loaded machine answers everything slowly); the slowest answer decays by this factor
+# per scrape, so one slow moment is forgotten within a few seconds.
+_SLOW_ANSWER_MARGIN = 3.0
+_SLOWEST_DECAY = 0.97
 
 WAITING: Final = "vllm:num_requests_waiting"
 RUNNING: Final = "vllm:num_requests_running"
@@ -262,9 +275,11 @@ class ScrapeStatus:
     successes: int = 0
     errors: int = 0
     consecutive_errors: int = 0
-    consecutive_unanswered: int = 0  # attempts in a row that got no HTTP answer at all
+    consecutive_refused: int = 0  # attempts in a row whose connection was refused or reset
+    timeouts: int = 0  # attempts that got no answer within the timeout (busy or hung)
     last_error: str | None = None
     last_duration: float | None = None  # seconds of the last attempt, good or bad
+    slowest_recent: float = 0.0  # slowest recent answer, decaying (see _SLOWEST_DECAY)
 
 
 class MetricsScraper:
@@ -288,9 +303,12 @@ class MetricsScraper:
         parse: Callable[[str], EndpointMetrics] = parse_vllm_metrics,
         failure_threshold: int | None = DEFAULT_FAILURE_THRESHOLD,
         unreachable_after: float | None = DEFAULT_UNREACHABLE_AFTER,
+        on_duration: Callable[[float], None] | None = None,
     ) -> None:
         """``failure_threshold`` / ``unreachable_after``: when an endpoint counts as unreachable
-        (module docstring); None disables that rule, both None disables reachability."""
+        (module docstring); None disables that rule, both None disables reachability.
+        ``on_duration`` is told the duration of every attempt that got an answer or timed out
+        (the scrape-latency histogram)."""
         if interval <= 0:
             raise ValueError(f"scrape interval must be > 0 seconds, got {interval}")
         if timeout <= 0:
@@ -306,6 +324,7 @@ class MetricsScraper:
         self.timeout = timeout
         self.failure_threshold = failure_threshold
         self.unreachable_after = unreachable_after
+        self.on_duration = on_duration
         self.status: dict[str, ScrapeStatus] = {}
         self._parse = parse
         self._session = session
@@ -390,16 +409,12 @@ class MetricsScraper:
         status = self.status.setdefault(address, ScrapeStatus())
         loop = asyncio.get_running_loop()
         started = loop.time()
-        watchdog = (
-            loop.call_later(self.unreachable_after, self._no_answer_yet, address)
-            if self.unreachable_after is not None
-            else None
-        )
+        watchdog = self._watch(address, status, started) if self.unreachable_after else None
         answered = False
         try:
             text = await self._fetch(session, spec.metrics_url)
             answered = True
-            self._answered(address)
+            self._answered(address, status, loop.time() - started)
             metrics = self._parse(text)
         except asyncio.CancelledError:
             raise
@@ -409,9 +424,13 @@ class MetricsScraper:
             status.consecutive_errors += 1
             status.last_error = _describe(exc, self.timeout)
             if isinstance(exc, ScrapeError) and not answered:
-                self._answered(address)  # an HTTP error status: the server is there
+                self._answered(address, status, status.last_duration)  # an HTTP error status
+            elif isinstance(exc, TimeoutError):
+                status.timeouts += 1
+                if self.on_duration is not None:
+                    self.on_duration(status.last_duration)
             elif not answered:
-                self._unanswered(address, status)
+                self._refused(address, status, exc)
             if status.consecutive_errors == 1:
                 log.warning("scraping %s failed: %s", spec.metrics_url, status.last_error)
             else:
@@ -433,28 +452,38 @@ class MetricsScraper:
 
     # -- reachability ---------------------------------------------------------------------------
 
-    def _answered(self, address: str) -> None:
-        status = self.status.get(address)
-        if status is not None:
-            status.consecutive_unanswered = 0
+    def _answered(self, address: str, status: ScrapeStatus, duration: float) -> None:
+        status.consecutive_refused = 0
+        status.slowest_recent = max(duration, status.slowest_recent * _SLOWEST_DECAY)
+        if self.on_duration is not None:
+            self.on_duration(duration)
+        self.datastore.saw_alive(address)
         if self.datastore.mark_reachable(address):
             log.warning("endpoint %s answers again: routing to it resumes", address)
 
-    def _unanswered(self, address: str, status: ScrapeStatus) -> None:
-        status.consecutive_unanswered += 1
+    def _refused(self, address: str, status: ScrapeStatus, exc: BaseException) -> None:
+        status.consecutive_refused += 1
         threshold = self.failure_threshold
-        if threshold is not None and status.consecutive_unanswered >= threshold:
+        if threshold is not None and status.consecutive_refused >= threshold:
+            category = (
+                "connection_refused"
+                if isinstance(exc, aiohttp.ClientConnectorError)
+                else "connection_reset"
+            )
             self._mark_unreachable(
-                address, f"{status.consecutive_unanswered} scrapes unanswered ({status.last_error})"
+                address,
+                f"{status.consecutive_refused} scrapes in a row refused or reset "
+                f"({status.last_error})",
+                category,
             )
 
-    def _no_answer_yet(self, address: str) -> None:
-        self._mark_unreachable(
-            address, f"a scrape has waited {self.unreachable_after:g} s for an answer"
-        )
+    def _watch(self, address: str, status: ScrapeStatus, started: float) -> _Watchdog:
+        assert self.unreachable_after is not None
+        patience = max(self.unreachable_after, _SLOW_ANSWER_MARGIN * status.slowest_recent)
+        return _Watchdog(self, address, patience, started)
 
-    def _mark_unreachable(self, address: str, reason: str) -> None:
-        if self.datastore.mark_unreachable(address, reason):
+    def _mark_unreachable(self, address: str, reason: str, category: str) -> None:
+        if self.datastore.mark_unreachable(address, reason, category):
             log.warning("endpoint %s is unreachable (%s): not routing to it", address, reason)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> str:
@@ -468,6 +497,36 @@ class MetricsScraper:
                 raise ScrapeError(f"HTTP {resp.status} from {url}")
             body = await resp.read()
         return body.decode("utf-8", errors="replace")
+
+
+class _Watchdog:
+    """Checks, every ``patience`` seconds while one scrape waits, whether the endpoint has gone
+    silent: no sign of life within the last ``patience`` seconds (module docstring)."""
+
+    def __init__(
+        self, scraper: MetricsScraper, address: str, patience: float, started: float
+    ) -> None:
+        self._scraper = scraper
+        self._address = address
+        self._patience = patience
+        self._started = started
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(patience, self._check)
+
+    def _check(self) -> None:
+        scraper, address = self._scraper, self._address
+        if scraper.datastore.alive_within(address, self._patience):
+            self._handle = self._loop.call_later(self._patience, self._check)
+            return
+        scraper._mark_unreachable(
+            address,
+            f"a scrape has waited {self._loop.time() - self._started:.1f} s for an answer and "
+            "the endpoint showed no other sign of life (KV events, response bytes) meanwhile",
+            "no_sign_of_life",
+        )
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _describe(exc: BaseException, timeout: float) -> str:

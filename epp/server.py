@@ -45,7 +45,12 @@ from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.health import HealthService, add_health_service
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
-from epp.scraping import DEFAULT_FAILURE_THRESHOLD, DEFAULT_UNREACHABLE_AFTER, MetricsScraper
+from epp.scraping import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_SCRAPE_TIMEOUT,
+    DEFAULT_UNREACHABLE_AFTER,
+    MetricsScraper,
+)
 from epp.telemetry import Telemetry
 from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
@@ -74,7 +79,7 @@ class ServerOptions:
     kv_events_port: int | None = 5557
     kv_events_replay_port: int | None = None
     refresh_metrics_interval: float = 0.05
-    metrics_timeout: float = 1.0
+    metrics_timeout: float = DEFAULT_SCRAPE_TIMEOUT
     saturation_staleness: float = 0.2
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = 30.0
@@ -105,7 +110,9 @@ class EndpointPicker:
         self.executor = ThreadPoolExecutor(
             max_workers=max(1, options.tokenizer_workers), thread_name_prefix="epp-cpu"
         )
-        self.context = PluginContext(endpoints=self.datastore, executor=self.executor)
+        self.context = PluginContext(
+            endpoints=self.datastore, executor=self.executor, saw_alive=self.datastore.saw_alive
+        )
         config = load_config(
             Path(options.config_file) if options.config_file else None, text=options.config_text
         )
@@ -127,6 +134,7 @@ class EndpointPicker:
             timeout=options.metrics_timeout,
             failure_threshold=options.endpoint_failure_threshold,
             unreachable_after=options.endpoint_unreachable_after,
+            on_duration=self.telemetry.scrape_duration.observe,
         )
         self.discovery: Discovery = self._discovery()
         self.health = HealthService(lambda: self.datastore.synced)
@@ -285,6 +293,15 @@ class EndpointPicker:
                 status.errors,
                 (("endpoint", address),),
             )
+        for ep in self.datastore.endpoints():
+            if ep.metrics.updated_at is not None:
+                yield GaugeSample(
+                    "inference_extension_metrics_age_seconds",
+                    "Seconds since the endpoint's /metrics last answered with a good page (a "
+                    "busy pod answers late; routing weighs its aging metrics).",
+                    ep.metrics_age,
+                    (("endpoint", ep.address),),
+                )
 
     def _reliability_samples(self) -> Iterable[GaugeSample]:
         datastore, admission = self.datastore, self.admission
@@ -299,11 +316,15 @@ class EndpointPicker:
             "Ready endpoints left out of candidates because their /metrics stopped answering.",
             len(datastore.unreachable()),
         )
-        yield GaugeSample(
-            "inference_extension_endpoint_unreachable_transitions",
-            "Times an endpoint was found unreachable (cumulative).",
-            datastore.unreachable_marks_total,
-        )
+        for reason in ("connection_refused", "connection_reset", "no_sign_of_life"):
+            yield GaugeSample(
+                "inference_extension_endpoint_unreachable_transitions",
+                "Times an endpoint was found unreachable (cumulative), by reason: its /metrics "
+                "connection refused or reset several times in a row, or no answer and no other "
+                "sign of life (KV events, response bytes) for a while.",
+                datastore.unreachable_marks.get(reason, 0),
+                (("reason", reason),),
+            )
         yield GaugeSample(
             "inference_extension_fail_open_decisions",
             "Requests routed among unreachable endpoints because no candidate was reachable "

@@ -29,6 +29,7 @@ _LATENCY_BUCKETS: Final = (
 _REQUEST_BUCKETS: Final = (
     0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640,
 )  # fmt: skip
+_SCRAPE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 _TOKEN_BUCKETS: Final = (16, 64, 256, 1024, 4096, 16384, 65536, 131072, 262144, 1048576)
 _RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -142,6 +143,13 @@ class Telemetry:
             "inference_extension_prefix_indexer_hit_ratio",
             "Share of the request's full blocks cached on the chosen endpoint at decision time.",
             buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.scrape_duration = Histogram(
+            "inference_extension_metrics_scrape_duration_seconds",
+            "Time an endpoint's /metrics took to answer (or to time out): a busy vLLM answers "
+            "late, which is not a reason to stop routing to it.",
+            buckets=_SCRAPE_BUCKETS,
             registry=r,
         )
         self.info = Gauge(

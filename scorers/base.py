@@ -13,6 +13,7 @@ a prompt) implements `DataProducer.prepare`, which the scheduler awaits before f
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +89,7 @@ class Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     load: EndpointLoad = field(default_factory=EndpointLoad)
     metrics_stale: bool = False  # stale metrics count as saturated (see epp.datastore)
+    metrics_age: float = math.inf  # seconds since the last good scrape (inf: never scraped)
     # Where the pod publishes vLLM KV events (ZMQ PUB) and serves replay (ROUTER), when known
     # from discovery; plugins that subscribe fall back to their own configured ports.
     kv_events_url: str | None = None
@@ -209,6 +211,9 @@ class PluginContext:
     executor: Executor | None = None  # bounded pool for CPU-heavy prepare steps
     # Named shared services (the tokenizer registry, ...) keyed by a well-known name.
     services: dict[str, Any] = field(default_factory=dict)
+    # Tell the EPP an endpoint showed a sign of life (a KV-event batch from it arrived), so a
+    # busy pod whose /metrics answers late is not taken for a dead one (epp.datastore).
+    saw_alive: Callable[[str], None] = field(default=lambda address: None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -380,6 +380,7 @@ class PrecisePrefixCacheScorer(Plugin):
     # -- KVEventSink (the subscriber delivers here) ------------------------------------------
 
     def apply(self, endpoint: str, batch: KVEventBatch) -> None:
+        self.context.saw_alive(endpoint)
         if self.index is None:
             first = next((e for e in batch.events if isinstance(e, BlockStored)), None)
             if first is None or not first.block_size:

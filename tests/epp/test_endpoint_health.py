@@ -69,8 +69,9 @@ async def test_a_refused_endpoint_is_unreachable_after_the_threshold_and_recover
         port = pod.port
         await pod.stop()  # connections refused from now on
         await eventually(lambda: not ds.is_reachable(pod.address))
-        assert scraper.status[pod.address].consecutive_unanswered >= 3
-        assert "unanswered" in ds.unreachable()[pod.address]
+        assert scraper.status[pod.address].consecutive_refused >= 3
+        assert "refused or reset" in ds.unreachable()[pod.address]
+        assert ds.unreachable_marks == {"connection_refused": 1}
         # Back on the same port: the first answer makes it routable again.
         restarted = FakeVllm()
         await _start_on(restarted, port)
@@ -97,6 +98,67 @@ async def test_a_hung_endpoint_is_unreachable_before_its_scrape_times_out(pod: F
         await eventually(lambda: not ds.is_reachable(pod.address), timeout=3)
         assert loop.time() - started < 2.0  # long before the 10 s scrape timeout
         assert "waited" in ds.unreachable()[pod.address]
+        assert ds.unreachable_marks == {"no_sign_of_life": 1}
+    finally:
+        await scraper.stop()
+        pod.delay = 0.0
+
+
+async def test_a_busy_endpoint_answering_late_stays_routable(pod: FakeVllm) -> None:
+    """Busy is not dead: a pod whose /metrics answers after the watchdog's wait, or never within
+    the timeout, but which streams responses or publishes KV events meanwhile, keeps its place
+    on its aging metrics."""
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(
+        ds, interval=0.02, timeout=0.6, failure_threshold=3, unreachable_after=0.2
+    )
+    await scraper.start()
+    alive = True
+
+    async def keep_streaming() -> None:
+        while alive:
+            ds.saw_alive(pod.address)  # what the director does for each response byte
+            await asyncio.sleep(0.05)
+
+    streaming = asyncio.create_task(keep_streaming())
+    try:
+        await eventually(lambda: scraper.status[pod.address].successes >= 1)
+        pod.delay = 1.0  # longer than the watchdog's wait and than the scrape timeout
+        await eventually(lambda: scraper.status[pod.address].timeouts >= 3, timeout=5)
+        assert ds.is_reachable(pod.address)
+        assert ds.unreachable_marks_total == 0
+        endpoint = ds.get(pod.address)
+        assert endpoint is not None and endpoint.metrics_age > 1.0
+        assert endpoint.metrics.running_requests == 2  # the last good page, aging
+        # The same silence without any sign of life is a hung pod.
+        alive = False
+        await streaming
+        await eventually(lambda: not ds.is_reachable(pod.address), timeout=3)
+        assert ds.unreachable_marks == {"no_sign_of_life": 1}
+    finally:
+        alive = False
+        await streaming
+        await scraper.stop()
+        pod.delay = 0.0
+
+
+async def test_an_endpoint_that_always_answers_slowly_is_given_time(pod: FakeVllm) -> None:
+    """On a loaded machine every answer is slow: the wait before silence counts grows with
+    the endpoint's slowest recent answer, so steady 0.3 s answers are not taken for a hang."""
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    pod.delay = 0.15
+    scraper = MetricsScraper(
+        ds, interval=0.02, timeout=5.0, failure_threshold=3, unreachable_after=0.2
+    )
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.status[pod.address].successes >= 3)
+        pod.delay = 0.3
+        await eventually(lambda: scraper.status[pod.address].successes >= 8)
+        assert ds.unreachable_marks_total == 0
+        assert scraper.status[pod.address].slowest_recent >= 0.25
     finally:
         await scraper.stop()
         pod.delay = 0.0
