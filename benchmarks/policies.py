@@ -123,6 +123,20 @@ schedulingProfiles:
 """,
     ),
     _policy(
+        "ray",
+        "Ray Serve PrefixCacheAffinityRouter: char tree, 10 % match, queue spread 10, pow2",
+        """\
+plugins:
+- type: ray-prefix-cache-affinity-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: ray-prefix-cache-affinity-scorer
+  - pluginRef: max-score-picker
+""",
+    ),
+    _policy(
         "dynamo",
         "Dynamo KV router: argmin prefill blocks (KV events) + active decode blocks",
         """\

@@ -5,9 +5,12 @@ prefill, step timing, a prefix cache with LRU eviction and KV events).  Routing 
 real `epp.director.Director`, `epp.datastore.Datastore` and a `epp.scheduler.Scheduler` built
 from an ``EndpointPickerConfig``, and every plugin sees only what it would see in production:
 
-* scraped metrics: a snapshot of each engine's ``/metrics`` values (waiting, running, KV usage,
-  block size) taken every ``scrape_interval`` seconds; a decision at time t reads the snapshot
-  of the last scrape tick at or before t;
+* scraped metrics: each pod's ``/metrics`` values (waiting, running, KV usage, block size) as
+  the EPP's scraper would read them: a scrape starts every ``scrape_interval`` seconds, or when
+  the previous one answered if that took longer, and answers after the profile's
+  ``metrics_latency`` (longer the busier the pod: real vLLM renders ``/metrics`` in the process
+  that streams every response), with the pod's state at that moment; a decision at time t reads
+  the last answer at or before t;
 * KV events: each engine step's `KVEventBatch` is handed to the configuration's event sinks
   (the precise scorer's index) ``event_lag`` seconds after the step ended, in order per pod;
 * in-flight accounting: the director's own, released at the first token and at the end;
@@ -213,7 +216,9 @@ class Replay:
         self._events: list[deque[tuple[float, KVEventBatch]]] = [deque() for _ in self.addresses]
         self._decisions: dict[str, TrackedDecision] = {}
         self._records: list[RequestRecord] = []
-        self._last_scrape = -math.inf
+        # Per pod: when its scrape in flight started and when it answers.
+        self._scrape_started = [0.0] * len(self.addresses)
+        self._scrape_answers = [0.0] * len(self.addresses)
         self._per_pod = [0] * len(self.addresses)
 
     def _clock(self) -> float:
@@ -223,11 +228,10 @@ class Replay:
 
     def _advance(self, t: float) -> None:
         """Bring the fleet and the EPP's inputs to time ``t``."""
-        interval = self.fleet.scrape_interval
-        tick = min(t, math.floor(t / interval) * interval)  # never past t (float rounding)
-        if tick > self._last_scrape:
-            self._run_engines(tick)
-            self._scrape(tick)
+        answered = self._scrapes_answered_by(t)
+        for when, pod in sorted(answered):
+            self._run_engines(when)
+            self._scrape(pod, when)
         self._run_engines(t)
         self.now = t
         if self.sinks:
@@ -284,25 +288,48 @@ class Replay:
                 )
             )
 
-    def _scrape(self, tick: float) -> None:
-        """What the scraper would have read at ``tick`` (vLLM's gauges and cache config)."""
-        self._last_scrape = tick
-        self.now = tick
-        size = self.fleet.block_size
-        blocks = self.fleet.usable_blocks + 1
-        for address, engine in zip(self.addresses, self.engines, strict=True):
+    def _scrapes_answered_by(self, t: float) -> list[tuple[float, int]]:
+        """Per pod, the last scrape answer at or before ``t`` (earlier ones would be overwritten
+        before any decision reads them), with the pod's scrape schedule moved past ``t``.  The
+        latency of scrapes in between is taken from the pod's state now."""
+        interval = self.fleet.scrape_interval
+        profile = self.fleet.profile
+        out = []
+        for pod, engine in enumerate(self.engines):
+            answer = self._scrape_answers[pod]
+            if answer > t:
+                continue
             m = engine.metrics()
-            self.datastore.update_metrics(
-                address,
-                EndpointMetrics(
-                    waiting_requests=m.num_requests_waiting,
-                    running_requests=m.num_requests_running,
-                    kv_cache_usage=m.kv_cache_usage,
-                    block_size=size,
-                    num_gpu_blocks=blocks,
-                    updated_at=tick,
-                ),
-            )
+            latency = profile.metrics_latency(m.num_requests_running + m.num_requests_waiting)
+            # The scraper starts the next scrape `interval` after the last one started, or
+            # when it answered if that took longer: one every `step` while latency holds.
+            step = max(interval, latency)
+            last = answer
+            start = max(self._scrape_started[pod] + interval, answer)
+            if start + latency <= t:
+                start += math.floor((t - start - latency) / step) * step
+                last = min(t, start + latency)  # float rounding must not step past t
+                start += step
+            self._scrape_started[pod] = start
+            self._scrape_answers[pod] = start + latency
+            out.append((last, pod))
+        return out
+
+    def _scrape(self, pod: int, when: float) -> None:
+        """What the scraper read from ``pod`` at ``when`` (vLLM's gauges and cache config)."""
+        self.now = when
+        m = self.engines[pod].metrics()
+        self.datastore.update_metrics(
+            self.addresses[pod],
+            EndpointMetrics(
+                waiting_requests=m.num_requests_waiting,
+                running_requests=m.num_requests_running,
+                kv_cache_usage=m.kv_cache_usage,
+                block_size=self.fleet.block_size,
+                num_gpu_blocks=self.fleet.usable_blocks + 1,
+                updated_at=when,
+            ),
+        )
 
     def _deliver_events(self, t: float) -> None:
         sinks = self.sinks
@@ -319,7 +346,8 @@ class Replay:
         index_of = {address: i for i, address in enumerate(self.addresses)}
         director = self.director
         engines = self.engines
-        self._scrape(0.0)
+        for pod in range(len(engines)):
+            self._scrape(pod, 0.0)
         for request, keys in zip(self.workload.requests, self.keys, strict=True):
             t = request.arrival
             self._advance(t)

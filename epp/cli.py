@@ -164,17 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint-failure-threshold",
         type=optional_positive_int,
         default=DEFAULT_FAILURE_THRESHOLD,
-        help="scrapes in a row whose connection was refused or reset after which an endpoint "
-        "is unreachable and gets no requests until it answers again; 'off' to disable",
+        help="failures in a row after which an endpoint is unreachable and gets no requests "
+        "until it answers again: scrapes refused or reset, or periods of "
+        "--endpoint-unreachable-after with no answer and no other sign of life; 'off' to disable",
     )
     m.add_argument(
         "--endpoint-unreachable-after",
         type=optional_duration,
         default=DEFAULT_UNREACHABLE_AFTER,
-        help="an endpoint whose scrape has waited this long (or 3 times its slowest recent "
-        "answer) with no other sign of life (KV events, response bytes) is unreachable: a hung "
-        "pod, not a busy one; 'off' to disable.  When every candidate is unreachable, requests "
-        "are routed among them anyway (fail-open)",
+        help="length of one silent period: no scrape answer and no other sign of life (KV "
+        "events, response bytes) for this long, or 3 times the endpoint's slowest recent answer; "
+        "--endpoint-failure-threshold such periods in a row mark a hung pod (a busy one keeps "
+        "streaming); 'off' to disable.  When every candidate is unreachable, requests are "
+        "routed among them anyway (fail-open)",
     )
     r = s.add_argument_group("request handling")
     r.add_argument(

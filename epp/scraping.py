@@ -27,10 +27,13 @@ from candidates, only when
 
 * its connection is refused or reset ``failure_threshold`` times in a row (a killed pod: about
   3 × 50 ms with the defaults), or
-* a scrape has waited ``unreachable_after`` seconds (or three times the slowest recent answer,
-  whichever is longer) and the pod showed no sign of life meanwhile: no KV-event batch, no
-  response byte of a request routed there, no HTTP answer (`Datastore.saw_alive`).  That is a
-  hung pod (SIGSTOP, a wedged process whose kernel still accepts connections): 1 s by default.
+* its scrapes go unanswered and the pod shows no sign of life — no KV-event batch, no response
+  byte of a request routed there, no HTTP answer (`Datastore.saw_alive`) — for
+  ``failure_threshold`` periods in a row of ``unreachable_after`` seconds each (or of three
+  times the slowest recent answer, whichever is longer).  That is a hung pod (SIGSTOP, a wedged
+  process whose kernel still accepts connections): 3 × 1 s by default.  One silent second is
+  not enough: on a 2-core machine running three vLLM servers at a load average of 17, an idle
+  server's ``/metrics`` once took just over a second to answer.
 
 A scrape that times out leaves the last metrics in place, aging (``Endpoint.metrics_age``).  Any
 HTTP answer, even an error status or a page that does not parse, marks the endpoint reachable
@@ -280,6 +283,7 @@ class ScrapeStatus:
     last_error: str | None = None
     last_duration: float | None = None  # seconds of the last attempt, good or bad
     slowest_recent: float = 0.0  # slowest recent answer, decaying (see _SLOWEST_DECAY)
+    silent_periods: int = 0  # watchdog periods in a row without any sign of life
 
 
 class MetricsScraper:
@@ -454,6 +458,7 @@ class MetricsScraper:
 
     def _answered(self, address: str, status: ScrapeStatus, duration: float) -> None:
         status.consecutive_refused = 0
+        status.silent_periods = 0
         status.slowest_recent = max(duration, status.slowest_recent * _SLOWEST_DECAY)
         if self.on_duration is not None:
             self.on_duration(duration)
@@ -480,7 +485,7 @@ class MetricsScraper:
     def _watch(self, address: str, status: ScrapeStatus, started: float) -> _Watchdog:
         assert self.unreachable_after is not None
         patience = max(self.unreachable_after, _SLOW_ANSWER_MARGIN * status.slowest_recent)
-        return _Watchdog(self, address, patience, started)
+        return _Watchdog(self, address, status, patience, started)
 
     def _mark_unreachable(self, address: str, reason: str, category: str) -> None:
         if self.datastore.mark_unreachable(address, reason, category):
@@ -500,30 +505,43 @@ class MetricsScraper:
 
 
 class _Watchdog:
-    """Checks, every ``patience`` seconds while one scrape waits, whether the endpoint has gone
-    silent: no sign of life within the last ``patience`` seconds (module docstring)."""
+    """Checks, every ``patience`` seconds while one scrape waits, whether the endpoint is
+    silent: no sign of life within the last ``patience`` seconds.  ``failure_threshold`` silent
+    periods in a row (counted across scrapes, reset by any sign of life) make it unreachable
+    (module docstring)."""
 
     def __init__(
-        self, scraper: MetricsScraper, address: str, patience: float, started: float
+        self,
+        scraper: MetricsScraper,
+        address: str,
+        status: ScrapeStatus,
+        patience: float,
+        started: float,
     ) -> None:
         self._scraper = scraper
         self._address = address
+        self._status = status
         self._patience = patience
         self._started = started
         self._loop = asyncio.get_running_loop()
         self._handle = self._loop.call_later(patience, self._check)
 
     def _check(self) -> None:
-        scraper, address = self._scraper, self._address
+        scraper, address, status = self._scraper, self._address, self._status
         if scraper.datastore.alive_within(address, self._patience):
-            self._handle = self._loop.call_later(self._patience, self._check)
-            return
-        scraper._mark_unreachable(
-            address,
-            f"a scrape has waited {self._loop.time() - self._started:.1f} s for an answer and "
-            "the endpoint showed no other sign of life (KV events, response bytes) meanwhile",
-            "no_sign_of_life",
-        )
+            status.silent_periods = 0
+        else:
+            status.silent_periods += 1
+            if status.silent_periods >= (scraper.failure_threshold or 1):
+                scraper._mark_unreachable(
+                    address,
+                    f"no answer and no other sign of life (KV events, response bytes) for "
+                    f"{status.silent_periods} periods of {self._patience:.1f} s (this scrape "
+                    f"has waited {self._loop.time() - self._started:.1f} s)",
+                    "no_sign_of_life",
+                )
+                return
+        self._handle = self._loop.call_later(self._patience, self._check)
 
     def cancel(self) -> None:
         self._handle.cancel()

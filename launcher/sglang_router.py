@@ -5,7 +5,8 @@ approximate radix tree of the text it routed to each worker and sends a request 
 with the longest match when the match covers more than ``--cache-threshold`` (0.3) of the prompt,
 unless the load (requests in flight per worker) is imbalanced by more than
 ``--balance-abs-threshold`` (64) and ``--balance-rel-threshold`` (1.5) times, when the shortest
-queue wins.  It talks plain OpenAI HTTP to any worker, vLLM included.
+queue wins.  Its HTTP router forwards OpenAI requests to any worker, vLLM included (its
+``--backend openai`` mode is something else: a proxy to a single OpenAI-compatible vendor).
 
 It is installed on first use into ``.venv-sglang-router`` (its own environment: it pins pydantic
 and FastAPI versions the project does not need to share), in well under a minute.
@@ -80,9 +81,6 @@ class SGLangRouter:
             str(self.port),
             "--policy",
             self.policy,
-            # vLLM speaks OpenAI HTTP, not SGLang's native API.
-            "--backend",
-            "openai",
             "--worker-urls",
             *self.workers,
             "--log-level",

@@ -13,6 +13,7 @@ from scorers import (
     prefill_cost,
     prefix_approx,
     profiles,
+    ray_prefix_affinity,
     sglang_cache_aware,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "prefill_cost",
     "prefix_approx",
     "profiles",
+    "ray_prefix_affinity",
     "sglang_cache_aware",
 ]

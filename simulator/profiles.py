@@ -58,6 +58,11 @@ class Profile:
     max_model_len: int = 8192
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    metrics_base_s: float = 0.002
+    """How long the pod's ``/metrics`` takes to answer when idle."""
+    metrics_per_request_s: float = 0.0
+    """Extra ``/metrics`` latency per request running or waiting: vLLM renders ``/metrics`` in
+    the API server process that also streams every response, so a busy pod answers late."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -67,6 +72,8 @@ class Profile:
             "weights_floor_s",
             "decode_s_per_seq",
             "decode_s_per_context_token",
+            "metrics_base_s",
+            "metrics_per_request_s",
         ):
             value = getattr(self, field)
             if not value >= 0.0:
@@ -102,6 +109,10 @@ class Profile:
             + self.decode_s_per_context_token * decode_context_tokens
         )
 
+    def metrics_latency(self, requests: int) -> float:
+        """How long ``/metrics`` takes to answer with ``requests`` running or waiting."""
+        return self.metrics_base_s + self.metrics_per_request_s * requests
+
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One prefill alone in a step (no chunking): the TTFT of an unloaded pod."""
         return self.step_time(
@@ -126,6 +137,8 @@ class Profile:
             weights_floor_s=self.weights_floor_s / speedup,
             decode_s_per_seq=self.decode_s_per_seq / speedup,
             decode_s_per_context_token=self.decode_s_per_context_token / speedup,
+            metrics_base_s=self.metrics_base_s / speedup,
+            metrics_per_request_s=self.metrics_per_request_s / speedup,
         )
 
 
@@ -196,45 +209,72 @@ A100_BF16_FLOPS: Final = 312e12
 A100_80GB_HBM_BYTES_PER_S: Final = 2.039e12
 A100_80GB_MEMORY_BYTES: Final = 81_920 * MIB
 
-LLAMA3_8B_H100: Final = dense_gpu_profile(
-    name="llama3-8b-h100",
-    description=(
-        "Llama-3.1-8B (8.03B params, 32 layers, d_model 4096, 8 KV heads × 128, bf16: "
-        "KV 128 KiB/token) on one 80 GB H100 SXM. Capacity: 0.9 × 79.6 GiB − 15.0 GiB weights "
-        "− 8 GiB runtime ≈ 48.7 GiB → ~399k tokens of KV (DESIGN.md: about 400k). Prefill at an "
-        "effective 30 % of 989 TFLOPS (end-to-end vLLM prefill, non-GEMM kernels included): "
-        "α ≈ 54 µs/token, so ~18k tokens/s on short prompts and ~15k tokens/s for a 15k-token "
-        "prompt once the attention term (β ≈ 1.8 ns per token pair) is added. Decode: the 16 GB "
-        "of weights over 80 % of 3.35 TB/s ≈ 6.0 ms per step, plus 49 ns per context token "
-        "(128 KiB each) and 30 µs per sequence. max_model_len 131072 (Llama-3.1 context)."
+# Measured on one H100 80GB SXM (simulator/data/h100-llama3-8b-calibration.json, see the README
+# there): prefill of a Llama-3.1-8B-shaped model runs at about 57 % of the bf16 peak (α ≈ 28.7
+# µs/token, β ≈ 0.87 ns per token pair from the fit over 1k-32k-token prompts, GPU-busy time);
+# decode's weight-streaming floor measured 8.0 ms plus 23 µs per sequence (transformers' unfused
+# path: an upper bound for vLLM's fused kernels), and attention 42 ns per context token.
+H100_MEASURED_MFU: Final = 0.566
+H100_MEASURED_DECODE_FLOOR_S: Final = 8.0e-3
+H100_MEASURED_DECODE_PER_SEQ_S: Final = 23e-6
+H100_MEASURED_DECODE_PER_CONTEXT_TOKEN_S: Final = 42e-9
+
+LLAMA3_8B_H100: Final = replace(
+    dense_gpu_profile(
+        name="llama3-8b-h100",
+        description=(
+            "Llama-3.1-8B (8.03B params, 32 layers, d_model 4096, 8 KV heads × 128, bf16: KV "
+            "128 KiB/token) on one 80 GB H100 SXM. Capacity: 0.9 × 79.6 GiB − 15.0 GiB weights − "
+            "8 GiB runtime ≈ 48.7 GiB → ~399k tokens of KV. Timing calibrated on a real H100 "
+            "(simulator/data/h100-llama3-8b-calibration.json): prefill at 57 % of the 989 TFLOPS "
+            "bf16 peak, α ≈ 28.7 µs/token (~35k tokens/s on short prompts) and β ≈ 0.94 ns per "
+            "token pair; decode floor 8.0 ms per step, 23 µs per sequence, 42 ns per context "
+            "token (measured through transformers' unfused path: vLLM's fused kernels are likely "
+            "a little faster). max_model_len 131072 (Llama-3.1 context). /metrics: 2 ms, plus "
+            "1 ms per running or waiting request (an API server streaming 256 responses answers "
+            "in about a quarter of a second; assumed, not measured on a GPU)."
+        ),
+        params=8.03e9,
+        layers=32,
+        d_model=4096,
+        kv_heads=8,
+        head_dim=128,
+        gpu_bf16_flops=H100_SXM_BF16_FLOPS,
+        gpu_hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
+        gpu_memory_bytes=H100_80GB_MEMORY_BYTES,
+        mfu=H100_MEASURED_MFU,
+        max_model_len=131_072,
     ),
-    params=8.03e9,
-    layers=32,
-    d_model=4096,
-    kv_heads=8,
-    head_dim=128,
-    gpu_bf16_flops=H100_SXM_BF16_FLOPS,
-    gpu_hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
-    gpu_memory_bytes=H100_80GB_MEMORY_BYTES,
-    max_model_len=131_072,
+    weights_floor_s=H100_MEASURED_DECODE_FLOOR_S,
+    decode_s_per_seq=H100_MEASURED_DECODE_PER_SEQ_S,
+    decode_s_per_context_token=H100_MEASURED_DECODE_PER_CONTEXT_TOKEN_S,
+    metrics_per_request_s=1e-3,
 )
 
-LLAMA3_8B_A100: Final = dense_gpu_profile(
-    name="llama3-8b-a100",
-    description=(
-        "Llama-3.1-8B in bf16 on one 80 GB A100 (312 TFLOPS bf16, 2.04 TB/s): same derivation "
-        "as llama3-8b-h100 — about 3.2× slower prefill, 1.6× slower decode, the same ~400k "
-        "tokens of KV."
+LLAMA3_8B_A100_32K: Final = replace(
+    dense_gpu_profile(
+        name="llama3-8b-a100-32k",
+        description=(
+            "Llama-3.1-8B in bf16 on one 80 GB A100 (312 TFLOPS bf16, 2.04 TB/s) with a small KV "
+            "cache of 32,768 tokens (a pod given a fraction of the GPU, or serving long contexts): "
+            "the middle of the capacity range between the 4k-token CPU pods and the 400k-token "
+            "H100. Prefill at the H100's measured 57 % of peak (assumed for the A100: α ≈ 91 "
+            "µs/token), decode from the datasheet as dense_gpu_profile derives it (weights over "
+            "80 % of the HBM bandwidth: 9.8 ms per step). /metrics as llama3-8b-h100."
+        ),
+        params=8.03e9,
+        layers=32,
+        d_model=4096,
+        kv_heads=8,
+        head_dim=128,
+        gpu_bf16_flops=A100_BF16_FLOPS,
+        gpu_hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S,
+        gpu_memory_bytes=A100_80GB_MEMORY_BYTES,
+        mfu=H100_MEASURED_MFU,
+        max_model_len=32_768,
     ),
-    params=8.03e9,
-    layers=32,
-    d_model=4096,
-    kv_heads=8,
-    head_dim=128,
-    gpu_bf16_flops=A100_BF16_FLOPS,
-    gpu_hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S,
-    gpu_memory_bytes=A100_80GB_MEMORY_BYTES,
-    max_model_len=131_072,
+    kv_capacity_tokens=32_768,
+    metrics_per_request_s=1e-3,
 )
 
 TINY_CPU: Final = Profile(
@@ -257,7 +297,7 @@ TINY_CPU: Final = Profile(
 )
 
 PROFILES: Final[dict[str, Profile]] = {
-    p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100, TINY_CPU)
+    p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100_32K, TINY_CPU)
 }
 
 

@@ -1245,6 +1245,11 @@ class SimulatedPod:
         return web.json_response({"prompt": self._decode(body.tokens)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        # A busy vLLM answers /metrics late (its API server also streams every response).
+        m = self.engine.metrics()
+        await asyncio.sleep(
+            self._profile.metrics_latency(m.num_requests_running + m.num_requests_waiting)
+        )
         payload = generate_latest(self._registry)
         return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

