@@ -272,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         print(format_table(results))
+        for r in results:
+            st = r.router_stats
+            if st.scrape_ms_p50 is not None:
+                print(
+                    f"  {r.router}: /metrics answered in ≤ {st.scrape_ms_p50:g} ms (p50), "
+                    f"≤ {st.scrape_ms_p99:g} ms (p99); unreachable transitions "
+                    f"{st.unreachable_transitions or 0}"
+                )
         line = verdict(results)
         if line:
             print(f"default: {line}")

@@ -40,6 +40,10 @@ class RouterStats:
 
     decision_ms_mean: float | None = None
     decision_ms_p99: float | None = None
+    scrape_ms_p50: float | None = None
+    """How long the servers' ``/metrics`` took to answer the EPP's scrapes (histogram buckets:
+    upper bounds)."""
+    scrape_ms_p99: float | None = None
     unreachable_transitions: dict[str, float] = field(default_factory=dict)
 
 
@@ -132,24 +136,34 @@ class EppRouter:
             self._epp = None
 
 
+def _histogram_quantile(values: dict[str, float], name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` (None without observations)."""
+    count = values.get(f"{name}_count", 0.0)
+    if not count:
+        return None
+    buckets = sorted(
+        (float(series.split('le="')[1].split('"')[0]), value)
+        for series, value in values.items()
+        if series.startswith(f"{name}_bucket{{")
+    )
+    return next((bound for bound, cumulative in buckets if cumulative >= q * count), math.inf)
+
+
 def epp_stats(metrics_text: str) -> RouterStats:
-    """Decision time (mean, and p99 from the histogram's buckets) and unreachable transitions
-    from an ``epp serve`` metrics page."""
+    """Decision time (mean, and p99 from the histogram's buckets), scrape latency and
+    unreachable transitions from an ``epp serve`` metrics page."""
     values = metric_values(metrics_text)
     name = "inference_extension_scheduler_e2e_duration_seconds"
     count = values.get(f"{name}_count", 0.0)
     stats = RouterStats()
     if count:
         stats.decision_ms_mean = 1000 * values.get(f"{name}_sum", 0.0) / count
-        buckets = sorted(
-            (float(series.split('le="')[1].split('"')[0]), value)
-            for series, value in values.items()
-            if series.startswith(f"{name}_bucket{{")
-        )
-        target = 0.99 * count
-        stats.decision_ms_p99 = next(
-            (1000 * bound for bound, cumulative in buckets if cumulative >= target), math.inf
-        )
+        p99 = _histogram_quantile(values, name, 0.99)
+        stats.decision_ms_p99 = None if p99 is None else 1000 * p99
+    scrape = "inference_extension_metrics_scrape_duration_seconds"
+    for attr, q in (("scrape_ms_p50", 0.5), ("scrape_ms_p99", 0.99)):
+        value = _histogram_quantile(values, scrape, q)
+        setattr(stats, attr, None if value is None else 1000 * value)
     prefix = "inference_extension_endpoint_unreachable_transitions{"
     for series, value in values.items():
         if series.startswith(prefix):
