@@ -48,7 +48,7 @@ from benchmarks.workloads import Workload, WorkloadError
 from simulator.profiles import ProfileError, get_profile
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_synthetic_trace.jsonl"
 QUICK_TRACE_SECONDS = 240.0
 WORKLOAD_KINDS = ("trace", "shared-prefix", "multi-turn", "no-reuse")
 

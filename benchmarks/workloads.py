@@ -183,6 +183,45 @@ def load_mooncake_trace(path: str | Path) -> Workload:
     return Workload(path.stem, f"Mooncake trace {path.name}", tuple(requests))
 
 
+def shrink(workload: Workload, factor: float, min_output: int = 4) -> Workload:
+    """The same workload with every segment and output ``factor`` times as long (rounded up):
+    a trace recorded on large pods replayed on small ones keeps its pattern of sharing (equal
+    segment keys still give equal leading tokens, a shortened segment is a prefix of the full
+    one) while its prompts keep the same size relative to the pods' caches."""
+    if not 0 < factor <= 1:
+        raise WorkloadError(f"shrink factor must be in (0, 1], got {factor!r}")
+    if factor == 1:
+        return workload
+    requests = tuple(
+        replace(
+            r,
+            segments=tuple((key, max(1, math.ceil(n * factor))) for key, n in r.segments),
+            output_length=max(min_output, round(r.output_length * factor)),
+        )
+        for r in workload.requests
+    )
+    return replace(
+        workload,
+        requests=requests,
+        description=f"{workload.description}, token counts ×{factor:g}",
+    )
+
+
+def within(workload: Workload, max_model_len: int) -> Workload:
+    """Only the requests a server with ``max_model_len`` accepts (vLLM answers the others 400)."""
+    requests = tuple(
+        r for r in workload.requests if r.input_length + r.output_length <= max_model_len
+    )
+    if len(requests) == len(workload.requests):
+        return workload
+    dropped = len(workload.requests) - len(requests)
+    return replace(
+        workload,
+        requests=requests,
+        description=f"{workload.description}, {dropped} longer than {max_model_len} tokens dropped",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Generators
 

@@ -1,0 +1,433 @@
+"""Routing quality over a grid of fleet shapes: every policy, every cell, one command.
+
+    python -m benchmarks.matrix                                  # the whole grid (hours)
+    python -m benchmarks.matrix --profiles tiny-cpu --pods 3 --workloads shared-prefix --quick
+    python -m benchmarks.matrix --json matrix.json --markdown matrix.md
+
+A cell is a hardware profile × a fleet size × a workload × a load; each cell is replayed
+(`benchmarks.replay`: the product's own director and scheduler in virtual time, scraped
+metrics with load-dependent latency, lagged KV events) once per seed with every policy of
+`benchmarks.policies`, and the capacity-bounded oracle gives its ceiling.
+
+**Profiles** (`simulator.profiles`): ``tiny-cpu`` (4,096 tokens of KV per pod), ``llama3-8b-a100-32k``
+(32,768) and ``llama3-8b-h100`` (~399k, calibrated on a real H100); ``vllm-cpu-tiny`` (the real
+fleet's servers) can be added.  **Workloads** keep their shape relative to the pods: prompt and
+answer lengths per profile are in `SHAPES`; the shared-prefix groups fill 73 % of the fleet's
+KV; the Mooncake trace is replayed with its token counts scaled by the profile's
+``trace_scale`` (512-token blocks become 16 on ``tiny-cpu``, 128 on the A100), requests longer
+than the pods' ``max_model_len`` dropped.
+
+**Load** is offered work over capacity, counting decode: ``rate × mean(work) / pods`` with
+``work = prefill_time(prompt) + output × (α + c1 + c2 · context + (γ + c0) / B)``: each output
+token's own cost plus its share of the step's fixed cost in a batch ``B`` as large as the KV
+cache allows for requests of that size (at most ``max_num_seqs``).  1.0 saturates a
+cache-blind router; cache hits (shared blocks, bigger batches) make room below it.
+
+**Verdict** (issue 14): in every cell, averaged over seeds, the default reaches ≥ 97 % of the
+best policy's hit rate and ≤ 1.03 × the best policy's TTFT p90; with no reuse, its p90 is within
+3 % of least-loaded's.  About 2 minutes per cell on 2 cores at the default duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import workloads
+from benchmarks.oracle import oracle_hit_rate
+from benchmarks.policies import POLICIES
+from benchmarks.replay import FleetSpec, PolicySummary, replay
+from benchmarks.workloads import Workload
+from simulator.profiles import Profile, get_profile
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_synthetic_trace.jsonl"
+WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse", "trace")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Token counts of the generators on one profile, so prompts keep their size relative to
+    the pods' caches and context limits."""
+
+    block_size: int
+    system_prompt: int
+    question: int
+    shared_output: int
+    chat_system: int
+    chat_user: int
+    chat_output: int
+    chat_think_s: float
+    unique_prompt: int
+    unique_output: int
+    trace_scale: float
+    """Factor on the Mooncake trace's token counts (its 512-token blocks)."""
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny-cpu": Shape(16, 1000, 200, 64, 500, 100, 60, 5.0, 800, 64, 1 / 32),
+    "vllm-cpu-tiny": Shape(32, 1300, 60, 24, 430, 70, 48, 2.0, 600, 24, 1 / 64),
+    "llama3-8b-a100-32k": Shape(16, 3000, 600, 300, 1000, 200, 150, 10.0, 2000, 150, 1 / 4),
+    "llama3-8b-h100": Shape(16, 6000, 1200, 1000, 2000, 400, 300, 20.0, 4000, 250, 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    profile: str
+    pods: int
+    workload: str
+    load: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.profile} × {self.pods} pods, {self.workload}, load {self.load:g}"
+
+
+def fleet_for(cell: Cell) -> FleetSpec:
+    profile = get_profile(cell.profile)
+    return FleetSpec(
+        pods=cell.pods,
+        profile=profile,
+        block_size=SHAPES[cell.profile].block_size,
+        max_model_len=profile.max_model_len,
+    )
+
+
+def work_seconds(profile: Profile, prompt: int, output: int) -> float:
+    """Cache-less service work of one request (module docstring): its prefill, and per output
+    token its own decode cost plus its share of the step's fixed cost when the batch is as
+    large as the pod's KV cache allows for requests of this size."""
+    batch = max(1, min(profile.max_num_seqs, profile.kv_capacity_tokens // (prompt + output)))
+    per_token = (
+        profile.linear_s_per_token
+        + profile.decode_s_per_seq
+        + profile.decode_s_per_context_token * (prompt + output / 2)
+        + (profile.step_overhead_s + profile.weights_floor_s) / batch
+    )
+    return profile.prefill_time(prompt) + output * per_token
+
+
+def offered_load(workload: Workload, profile: Profile, pods: int) -> float:
+    span = workload.duration or 1.0
+    work = sum(work_seconds(profile, r.input_length, r.output_length) for r in workload.requests)
+    return work / (pods * span)
+
+
+def build_workload(cell: Cell, seed: int, duration: float, trace: Path) -> Workload:
+    """The cell's workload at its load (generators regenerate at the rate; the trace is sped
+    up or slowed down)."""
+    profile = get_profile(cell.profile)
+    shape = SHAPES[cell.profile]
+    capacity = cell.pods * profile.kv_capacity_tokens
+    if cell.workload == "trace":
+        base = workloads.within(
+            workloads.shrink(workloads.load_mooncake_trace(trace), shape.trace_scale),
+            profile.max_model_len,
+        )
+        return base.scaled(cell.load / offered_load(base, profile, cell.pods))
+
+    def make(rate: float) -> Workload:
+        if cell.workload == "shared-prefix":
+            groups = workloads.shared_prefix_groups_for(
+                capacity, 5, shape.system_prompt, shape.question
+            )
+            return workloads.shared_prefix(
+                rate=rate,
+                duration=duration,
+                num_groups=groups,
+                system_prompt_len=shape.system_prompt,
+                question_len=shape.question,
+                output_len=shape.shared_output,
+                seed=seed,
+            )
+        if cell.workload == "multi-turn":
+            return workloads.multi_turn(
+                rate=rate,
+                duration=duration,
+                system_prompt_len=shape.chat_system,
+                user_len=shape.chat_user,
+                output_len=shape.chat_output,
+                think_time=shape.chat_think_s,
+                seed=seed,
+            )
+        return workloads.no_reuse(
+            rate=rate,
+            duration=duration,
+            input_len=shape.unique_prompt,
+            output_len=shape.unique_output,
+            seed=seed,
+        )
+
+    probe = make(1.0)
+    rate = cell.load / offered_load(probe, profile, cell.pods)
+    return workloads.within(make(rate), profile.max_model_len)
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    seed: int
+    requests: int
+    oracle_hit_rate: float
+    policies: dict[str, PolicySummary]
+
+
+def run_cell(task: tuple[Cell, int, float, str, tuple[str, ...]]) -> CellResult:
+    """Every policy on one cell and seed, in this process (block keys hashed once)."""
+    cell, seed, duration, trace, names = task
+    fleet = fleet_for(cell)
+    workload = build_workload(cell, seed, duration, Path(trace))
+    keys: list[array[int]] = workloads.block_keys(workload.requests, fleet.block_size)
+    warmup = 0.0 if cell.workload == "trace" else duration / 4
+    first = next(
+        (i for i, r in enumerate(workload.requests) if r.arrival >= warmup), len(workload.requests)
+    )
+    oracle = oracle_hit_rate(
+        [(r.input_length, k) for r, k in zip(workload.requests, keys, strict=True)],
+        fleet.block_size,
+        cell.pods * fleet.usable_blocks,
+        measure_from=first,
+    ).hit_rate
+    summaries = {}
+    for name in names:
+        result = replay(workload, keys, fleet, POLICIES[name].config_yaml, policy=name, seed=seed)
+        summaries[name] = PolicySummary.of(result, warmup)
+    return CellResult(cell, seed, len(workload.requests), oracle, summaries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The default against the best policy in one cell, averaged over seeds."""
+
+    cell: Cell
+    default_hit: float
+    best_hit: float
+    best_hit_policy: str
+    default_p90: float
+    best_p90: float
+    best_p90_policy: str
+    least_loaded_p90: float | None
+    oracle: float
+
+    @property
+    def hit_ok(self) -> bool:
+        return self.default_hit >= 0.97 * self.best_hit
+
+    @property
+    def p90_ok(self) -> bool:
+        return self.default_p90 <= 1.03 * self.best_p90
+
+    @property
+    def no_reuse_ok(self) -> bool:
+        if self.cell.workload != "no-reuse" or self.least_loaded_p90 is None:
+            return True
+        return self.default_p90 <= 1.03 * self.least_loaded_p90
+
+    @property
+    def passed(self) -> bool:
+        return self.hit_ok and self.p90_ok and self.no_reuse_ok
+
+
+def verdicts(results: Sequence[CellResult]) -> list[Verdict]:
+    by_cell: dict[Cell, list[CellResult]] = {}
+    for r in results:
+        by_cell.setdefault(r.cell, []).append(r)
+    out = []
+    for cell, runs in by_cell.items():
+        names = list(runs[0].policies)
+
+        def mean(name: str, attr: str, runs: list[CellResult] = runs) -> float:
+            return statistics.fmean(getattr(r.policies[name], attr) for r in runs)
+
+        hits = {n: mean(n, "hit_rate") for n in names}
+        p90s = {n: mean(n, "ttft_p90") for n in names}
+        best_hit = max(hits, key=lambda n: hits[n])
+        best_p90 = min(p90s, key=lambda n: p90s[n])
+        out.append(
+            Verdict(
+                cell=cell,
+                default_hit=hits.get("default", math.nan),
+                best_hit=hits[best_hit],
+                best_hit_policy=best_hit,
+                default_p90=p90s.get("default", math.nan),
+                best_p90=p90s[best_p90],
+                best_p90_policy=best_p90,
+                least_loaded_p90=p90s.get("least-loaded"),
+                oracle=statistics.fmean(r.oracle_hit_rate for r in runs),
+            )
+        )
+    return out
+
+
+def format_verdicts(items: Sequence[Verdict]) -> str:
+    header = (
+        f"{'profile':<20}{'pods':>5} {'workload':<14}{'load':>5}{'hit':>8}{'best hit':>9} "
+        f"{'(policy)':<17}{'p90 s':>9}{'best p90':>10} {'(policy)':<17}{'ok':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for v in items:
+        c = v.cell
+        flags = (
+            ("" if v.hit_ok else "H") + ("" if v.p90_ok else "T") + ("" if v.no_reuse_ok else "L")
+        )
+        lines.append(
+            f"{c.profile:<20}{c.pods:>5} {c.workload:<14}{c.load:>5.1f}{v.default_hit:>8.1%}"
+            f"{v.best_hit:>9.1%} {v.best_hit_policy:<17}{v.default_p90:>9.3f}{v.best_p90:>10.3f} "
+            f"{v.best_p90_policy:<17}{'yes' if v.passed else 'NO ' + flags:>5}"
+        )
+    passed = sum(v.passed for v in items)
+    lines.append(
+        f"{passed} of {len(items)} cells pass (H: hit rate < 97 % of the best, T: TTFT p90 > "
+        "1.03 × the best, L: no reuse, p90 > 1.03 × least-loaded)"
+    )
+    return "\n".join(lines)
+
+
+def markdown(items: Sequence[Verdict]) -> str:
+    lines = [
+        "| profile | pods | workload | load | default hit | best hit (policy) | default p90 s "
+        "| best p90 s (policy) | pass |",
+        "|---|---:|---|---:|---:|---|---:|---|---|",
+    ]
+    for v in items:
+        c = v.cell
+        lines.append(
+            f"| {c.profile} | {c.pods} | {c.workload} | {c.load:g} | {v.default_hit:.1%} | "
+            f"{v.best_hit:.1%} ({v.best_hit_policy}) | {v.default_p90:.3f} | {v.best_p90:.3f} "
+            f"({v.best_p90_policy}) | {'yes' if v.passed else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.matrix",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--profiles", default="tiny-cpu,llama3-8b-a100-32k,llama3-8b-h100")
+    parser.add_argument("--pods", default="3,6,16")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--loads", default="0.5,0.7,0.9")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--duration", type=float, default=240.0, help="seconds of arrivals")
+    parser.add_argument("--quick", action="store_true", help="60 s of arrivals, one seed")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, default=None, dest="json_out")
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        args.profile_list = [get_profile(p.strip()).name for p in args.profiles.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    unknown = [p for p in args.profile_list if p not in SHAPES]
+    if unknown:
+        parser.error(f"no workload shapes for profiles {unknown}; known: {', '.join(SHAPES)}")
+    args.pod_list = [int(x) for x in args.pods.split(",")]
+    args.workload_list = [w.strip() for w in args.workloads.split(",")]
+    bad = [w for w in args.workload_list if w not in WORKLOADS]
+    if bad:
+        parser.error(f"unknown workloads {bad}; known: {', '.join(WORKLOADS)}")
+    args.load_list = [float(x) for x in args.loads.split(",")]
+    args.seed_list = [int(x) for x in args.seeds.split(",")]
+    args.policy_list = tuple(p.strip() for p in args.policies.split(","))
+    bad = [p for p in args.policy_list if p not in POLICIES]
+    if bad:
+        parser.error(f"unknown policies {bad}; known: {', '.join(POLICIES)}")
+    if args.quick:
+        args.duration = 60.0
+        args.seed_list = args.seed_list[:1]
+    if any(n < 1 for n in args.pod_list) or any(not x > 0 for x in args.load_list):
+        parser.error("pods must be >= 1 and loads > 0")
+    if not args.trace.exists() and "trace" in args.workload_list:
+        parser.error(f"trace {args.trace} not found")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cells = [
+        Cell(profile, pods, workload, load)
+        for profile in args.profile_list
+        for pods in args.pod_list
+        for workload in args.workload_list
+        for load in args.load_list
+    ]
+    tasks = [
+        (cell, seed, args.duration, str(args.trace), args.policy_list)
+        for cell in cells
+        for seed in args.seed_list
+    ]
+    started = time.perf_counter()
+    print(
+        f"{len(cells)} cells × {len(args.seed_list)} seeds × {len(args.policy_list)} policies, "
+        f"{args.duration:g} s of arrivals each, {args.jobs} processes",
+        flush=True,
+    )
+    results: list[CellResult] = []
+    jobs = max(1, min(args.jobs, len(tasks)))
+    with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
+        for result in pool.imap_unordered(run_cell, tasks):
+            results.append(result)
+            default = result.policies.get("default")
+            print(
+                f"  [{len(results)}/{len(tasks)} {time.perf_counter() - started:.0f} s] "
+                f"{result.cell.label}, seed {result.seed}: "
+                + (
+                    f"default hit {default.hit_rate:.1%} p90 {default.ttft_p90:.3f} s"
+                    if default
+                    else ""
+                ),
+                flush=True,
+            )
+    order = {cell: i for i, cell in enumerate(cells)}
+    items = sorted(verdicts(results), key=lambda v: order[v.cell])
+    print()
+    print(format_verdicts(items))
+    print(f"\n{time.perf_counter() - started:.0f} s wall")
+    if args.json_out is not None:
+        report: dict[str, Any] = {
+            "command": "python -m benchmarks.matrix "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "cells": [
+                {
+                    **asdict(r.cell),
+                    "seed": r.seed,
+                    "requests": r.requests,
+                    "oracle_hit_rate": r.oracle_hit_rate,
+                    "policies": {n: asdict(s) for n, s in r.policies.items()},
+                }
+                for r in results
+            ],
+            "verdicts": [
+                {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok}
+                for v in items
+            ],
+        }
+        args.json_out.write_text(json.dumps(report, indent=2))
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(items))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
