@@ -48,6 +48,7 @@ from benchmarks import workloads
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.policies import POLICIES
 from benchmarks.replay import FleetSpec, PolicySummary, replay
+from benchmarks.routing import format_table
 from benchmarks.workloads import Workload
 from simulator.profiles import Profile, get_profile
 
@@ -333,6 +334,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, default=None, dest="json_out")
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument(
+        "--detail", action="store_true", help="print every policy's numbers for every cell"
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier --json report of the same cells, durations and seeds: its results are "
+        "taken instead of replaying again, except for the policies in --rerun",
+    )
+    parser.add_argument(
+        "--rerun", default="default", help="policies replayed even when --reuse has them"
+    )
     args = parser.parse_args(argv)
     try:
         args.profile_list = [get_profile(p.strip()).name for p in args.profiles.split(",")]
@@ -362,6 +376,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _reused(args: argparse.Namespace) -> dict[tuple[Cell, int], CellResult]:
+    """(cell, seed) → the earlier report's results, minus the policies to replay again."""
+    rerun = {n.strip() for n in args.rerun.split(",") if n.strip()}
+    report = json.loads(args.reuse.read_text())
+    if report.get("duration") not in (None, args.duration):
+        raise SystemExit(
+            f"--reuse {args.reuse} was run with --duration {report['duration']}, not {args.duration}"
+        )
+    out = {}
+    for entry in report["cells"]:
+        cell = Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"])
+        policies = {
+            name: PolicySummary(**summary)
+            for name, summary in entry["policies"].items()
+            if name not in rerun
+        }
+        out[(cell, entry["seed"])] = CellResult(
+            cell, entry["seed"], entry["requests"], entry["oracle_hit_rate"], policies
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cells = [
@@ -371,21 +407,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         for workload in args.workload_list
         for load in args.load_list
     ]
-    tasks = [
-        (cell, seed, args.duration, str(args.trace), args.policy_list)
-        for cell in cells
-        for seed in args.seed_list
-    ]
+    reused = _reused(args) if args.reuse is not None else {}
+    tasks = []
+    results: list[CellResult] = []
+    for cell in cells:
+        for seed in args.seed_list:
+            old = reused.get((cell, seed))
+            names = tuple(n for n in args.policy_list if old is None or n not in old.policies)
+            if old is not None:
+                old.policies = {n: s for n, s in old.policies.items() if n in args.policy_list}
+                if not names:
+                    results.append(old)
+                    continue
+            tasks.append((cell, seed, args.duration, str(args.trace), names))
     started = time.perf_counter()
     print(
         f"{len(cells)} cells × {len(args.seed_list)} seeds × {len(args.policy_list)} policies, "
         f"{args.duration:g} s of arrivals each, {args.jobs} processes",
         flush=True,
     )
-    results: list[CellResult] = []
-    jobs = max(1, min(args.jobs, len(tasks)))
+    jobs = max(1, min(args.jobs, len(tasks) or 1))
     with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
         for result in pool.imap_unordered(run_cell, tasks):
+            old = reused.get((result.cell, result.seed))
+            if old is not None:
+                result.policies = {**old.policies, **result.policies}
             results.append(result)
             default = result.policies.get("default")
             print(
@@ -399,6 +445,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     order = {cell: i for i, cell in enumerate(cells)}
+    if args.detail:
+        for r in sorted(results, key=lambda r: (order[r.cell], r.seed)):
+            print(f"\n{r.cell.label}, seed {r.seed} ({r.requests} requests)")
+            print(format_table(list(r.policies.values()), r.oracle_hit_rate))
     items = sorted(verdicts(results), key=lambda v: order[v.cell])
     print()
     print(format_verdicts(items))
@@ -408,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": "python -m benchmarks.matrix "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"),
+            "duration": args.duration,
             "cells": [
                 {
                     **asdict(r.cell),

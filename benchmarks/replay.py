@@ -357,6 +357,7 @@ class Replay:
                 model=MODEL,
                 kind="completions",
                 prompt=request.token_ids(),
+                stream=True,  # clients stream: the first token is seen when it is produced
             )
             decision = await director.route(llm, None)
             assert isinstance(decision, TrackedDecision)

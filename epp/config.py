@@ -85,16 +85,18 @@ IGNORED_PLUGIN_TYPES: Final[Mapping[str, str]] = {
 does natively: declaring them is accepted (with a warning) so that config loads unchanged."""
 
 DEFAULT_CONFIG_YAML: Final = """\
-# kv-epp's default: route each request where its prefill finishes first.
+# kv-epp's default: route each request where its first token comes soonest, counting what the
+# placement costs the requests after it.
 # precise-prefix-cache-scorer is a data producer here (not weighted in the profile): it tokenizes
 # and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
 # events, plus predicted entries for requests routed in the last 2 s whose events have not
 # arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
 # 4 x uncached prompt tokens another pod already computed + 2 x those no pod has computed yet
-# + prefill already queued there + 250 per request in flight + 16384 x the pod's KV-cache usage
-# (0-1); max-score-picker takes the cheapest.
-# Without a tokenizer for text prompts, or without KV events, this is least-work routing.
-# Benchmarks and tuning: docs/routing-results.md (python -m benchmarks.routing).
+# + prefill already queued there + what each request in flight adds (learned from the pods'
+# measured speeds) + the wait for KV room when the request does not fit in the pod's reported
+# cache; max-score-picker takes the cheapest.  Nothing in it is fixed in tokens: it scales with
+# the fleet.  Without a tokenizer for text prompts, or without KV events, this is least-work
+# routing with KV room.  Benchmarks: docs/routing-results.md.
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -105,10 +107,7 @@ plugins:
 - type: prefill-cost-scorer
   parameters:
     uncachedTokenWeight: 4
-    uncomputedTokenWeight: 2
-    inFlightRequestTokens: 250
-    kvPressureThreshold: 0.0
-    kvPressureTokens: 16384
+    uncomputedTokenWeight: 1
 - type: max-score-picker
 - type: single-profile-handler
 schedulingProfiles:

@@ -101,16 +101,28 @@ class InFlightRequest:
     (pod deleted and re-created at the same address) never touches the new endpoint's counts.
     """
 
-    __slots__ = ("_load", "_prefill_pending", "address", "finished", "prefill_tokens")
+    __slots__ = ("_clock", "_load", "_prefill_pending", "address", "finished", "prefill_tokens")
 
-    def __init__(self, address: str, load: EndpointLoad, prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        load: EndpointLoad,
+        prefill_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.address = address
         self.prefill_tokens = max(0, int(prefill_tokens))
         self.finished = False
         self._load = load
+        self._clock = clock
         self._prefill_pending = True
+        now = clock()
+        load.advance_area(now)
         load.in_flight_requests += 1
         load.in_flight_prefill_tokens += self.prefill_tokens
+        load.prefill_changed_at = now
+        load.in_flight_kv_tokens += self.prefill_tokens
+        load.kv_tokens_since_scrape += self.prefill_tokens
 
     @property
     def prefill_pending(self) -> bool:
@@ -124,6 +136,7 @@ class InFlightRequest:
             load.in_flight_prefill_tokens = max(
                 0, load.in_flight_prefill_tokens - self.prefill_tokens
             )
+            load.prefill_changed_at = self._clock()
 
     def finish(self) -> None:
         """The response ended (in any way)."""
@@ -131,7 +144,15 @@ class InFlightRequest:
             return
         self.first_token()
         self.finished = True
-        self._load.in_flight_requests = max(0, self._load.in_flight_requests - 1)
+        load = self._load
+        load.advance_area(self._clock())
+        load.in_flight_requests = max(0, load.in_flight_requests - 1)
+        load.in_flight_kv_tokens = max(0, load.in_flight_kv_tokens - self.prefill_tokens)
+        load.kv_tokens_since_scrape -= self.prefill_tokens
+
+    def in_flight_area(self) -> float:
+        """The endpoint's ∫ in-flight count dt up to now (`EndpointLoad.in_flight_area`)."""
+        return self._load.advance_area(self._clock())
 
     def __enter__(self) -> InFlightRequest:
         return self
@@ -327,6 +348,7 @@ class Datastore:
         if metrics.updated_at is None:
             metrics.updated_at = self.clock()
         ep.metrics = metrics
+        ep.load.kv_tokens_since_scrape = 0
         self._refresh_staleness((ep,))
         return True
 
@@ -400,24 +422,7 @@ class Datastore:
         progresses.  An unknown address gets a detached handle that counts nothing."""
         ep = self._endpoints.get(address)
         load = ep.load if ep is not None else EndpointLoad()
-        return InFlightRequest(address, load, prefill_tokens)
-
-    def first_token(self, address: str, prefill_tokens: int) -> None:
-        """Handle-less form of `InFlightRequest.first_token`; clamps at zero.  Prefer handles:
-        this cannot tell whether the tokens were already released."""
-        ep = self._endpoints.get(address)
-        if ep is not None:
-            load = ep.load
-            load.in_flight_prefill_tokens = max(
-                0, load.in_flight_prefill_tokens - max(0, prefill_tokens)
-            )
-
-    def request_finished(self, address: str, prefill_tokens_not_yet_released: int = 0) -> None:
-        """Handle-less form of `InFlightRequest.finish`; clamps at zero."""
-        ep = self._endpoints.get(address)
-        if ep is not None:
-            self.first_token(address, prefill_tokens_not_yet_released)
-            ep.load.in_flight_requests = max(0, ep.load.in_flight_requests - 1)
+        return InFlightRequest(address, load, prefill_tokens, self.clock)
 
     # -- pool gauges ----------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ from scorers.request_data import (
     PREFIX_MATCHED_BLOCKS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
+    RESPONSE_TIMING,
+    ResponseTiming,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class Director:
         in_flight = self.datastore.request_started(
             primary, uncached_prompt_tokens(request, primary)
         )
+        request.data[RESPONSE_TIMING] = ResponseTiming(routed_at=self.datastore.clock())
         if self.telemetry is not None:
             self.telemetry.requests.labels(request.model, request.model).inc()
             self.telemetry.running_requests.labels(request.model).inc()
@@ -171,6 +174,11 @@ class Director:
         if decision.first_byte_seen:
             return
         decision.first_byte_seen = True
+        timing: ResponseTiming | None = decision.request.data.get(RESPONSE_TIMING)
+        if timing is not None:
+            timing.first_byte_at = self.datastore.clock()
+            if decision.in_flight is not None:
+                timing.in_flight_area_at_first_byte = decision.in_flight.in_flight_area()
         if decision.in_flight is not None:
             decision.in_flight.first_token()
         if logger.isEnabledFor(logging.DEBUG):
@@ -190,6 +198,7 @@ class Director:
         self, decision: RoutingDecision, usage: Usage | None, status: int
     ) -> None:
         if isinstance(decision, TrackedDecision) and decision.in_flight is not None:
+            self._close_timing(decision.request, decision.in_flight)
             decision.in_flight.finish()
             self.admission.release()
         request = decision.request
@@ -210,6 +219,17 @@ class Director:
                     telemetry.prompt_cached_tokens.labels(model, model).observe(usage.cached_tokens)
         if decision.targets:
             self.scheduler.run_response_complete(request, decision.targets[0], usage)
+
+    def _close_timing(self, request: LLMRequest, in_flight: InFlightRequest) -> None:
+        """The request's end on its timeline, and the mean batch its decode ran in."""
+        timing: ResponseTiming | None = request.data.get(RESPONSE_TIMING)
+        if timing is None or in_flight.finished:
+            return
+        now = self.datastore.clock()
+        timing.finished_at = now
+        first, area = timing.first_byte_at, timing.in_flight_area_at_first_byte
+        if first is not None and area is not None and now > first:
+            timing.running_while_decoding = (in_flight.in_flight_area() - area) / (now - first)
 
     def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
         model = request.model if request is not None else ""

@@ -326,6 +326,11 @@ class KVBlockIndex:
             name: ep.mismatch_events for name, ep in self._endpoints.items() if ep.mismatch_events
         }
 
+    def endpoint_blocks(self, endpoint: str) -> int:
+        """How many blocks the index holds for ``endpoint`` (0 when unknown)."""
+        ep = self._endpoints.get(endpoint)
+        return len(ep.keys) if ep is not None else 0
+
     def endpoint_stats(self, endpoint: str) -> EndpointStats:
         """Counts for one endpoint; an unknown endpoint reads as empty."""
         ep = self._endpoints.get(endpoint) or _Endpoint(endpoint, -1, 0)

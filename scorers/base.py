@@ -76,6 +76,26 @@ class EndpointLoad:
     # Prompt tokens not served from cache, of requests routed there that have not produced their
     # first token yet: the prefill work queued on that pod, in tokens (DESIGN.md: weigh work).
     in_flight_prefill_tokens: int = 0
+    # The same tokens until their requests finish: the KV blocks this EPP's requests added
+    # there (answers' growth not counted).
+    in_flight_kv_tokens: int = 0
+    # KV tokens this EPP's requests added to the pod since its metrics were last scraped, less
+    # those of its requests that finished since (negative when more left than came): the change
+    # the scraped KV usage does not show yet.
+    kv_tokens_since_scrape: int = 0
+    # ∫ in_flight_requests dt up to `area_at` (request-seconds, EPP clock): the time average of
+    # the in-flight count over any interval, e.g. over one request's decode.
+    in_flight_area: float = 0.0
+    area_at: float = 0.0
+    # When in_flight_prefill_tokens last changed: the pod has been working through them since.
+    prefill_changed_at: float = 0.0
+
+    def advance_area(self, now: float) -> float:
+        """Bring `in_flight_area` up to ``now`` (before any change of the count); returns it."""
+        if now > self.area_at:
+            self.in_flight_area += self.in_flight_requests * (now - self.area_at)
+            self.area_at = now
+        return self.in_flight_area
 
 
 @dataclass(slots=True)

@@ -65,6 +65,7 @@ from scorers.base import (
     register,
 )
 from scorers.request_data import (
+    KV_CACHED_TOKENS,
     PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
@@ -516,6 +517,9 @@ class PrecisePrefixCacheScorer(Plugin):
                 weighted[address] = 0.0
         computed = max((blocks[a] for a in trusted), default=0)
         request.data[PREFIX_COMPUTED_TOKENS] = computed * block_size
+        request.data[KV_CACHED_TOKENS] = {
+            a: index.endpoint_blocks(a) * block_size for a in trusted
+        }
         predictions = self.predictions
         if predictions:
             now = self.context.clock()

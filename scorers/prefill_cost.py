@@ -1,97 +1,131 @@
-"""``prefill-cost-scorer``: prefer the endpoint where this request's prefill finishes first.
+"""``prefill-cost-scorer``: prefer the endpoint where this request's first token comes soonest,
+counting what its placement costs the requests after it.  Every term is in units the fleet
+states itself: tokens of the request's own prompt, each pod's KV capacity as it reports it, and
+the pods' speeds as this EPP measures them.  Nothing in it is a token count fixed in code, so
+the same defaults hold from a 4k-token CPU pod to a 400k-token H100.
 
-Time to first token on a pod is, to first order, the prefill work queued ahead of the request
-plus the request's own uncached prefill, both in tokens of prefill work (DESIGN.md: "decisions
-weigh work, not just ratios").  So the scorer estimates, per candidate ``e``, a cost in tokens:
+Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
 
-    cost_e = uncachedTokenWeight · (computed_tokens − cached_tokens_e)⁺
-           + uncomputedTokenWeight · (the rest of prompt_tokens − cached_tokens_e)
-           + queued_prefill_tokens_e
-           + inFlightRequestTokens · in_flight_requests_e
-           + kv_pressure_e
+    cost_e = uncachedTokenWeight · copied_e + uncomputedTokenWeight · fresh_e + queued_e
+           + (s / p) · in_flight_e
+           + wait_e / p            when the request does not fit in e's free KV cache
 
-* ``cached_tokens_e``: prompt tokens the endpoint holds in its prefix cache, exactly, from
-  ``request.data[PREFIX_MATCHED_TOKENS]`` (the precise scorer writes it, predicted entries
-  included).  With no prefix information (no events, no tokenizer) it is 0 everywhere and the
-  scorer is plain least-work routing.
-* ``computed_tokens``: the longest prefix any endpoint really holds per the KV events
-  (``request.data[PREFIX_COMPUTED_TOKENS]``, predictions excluded).  Uncached tokens within it
-  are copies of another pod's blocks; tokens beyond it are new to the fleet and cost the same
-  everywhere except on a pod predicted to hold them, whose first prefill is still running.
-  Without it (no precise scorer) every uncached token is charged ``uncachedTokenWeight``.
-* ``queued_prefill_tokens_e``: uncached prompt tokens of requests this EPP routed there that
-  have not produced their first token (``Endpoint.load.in_flight_prefill_tokens``): never stale.
-* ``uncachedTokenWeight`` > 1 charges a miss for more than the time it costs this request: an
-  uncached prefill delays every request queued behind it, and a prefix copied to a second pod
-  evicts something else there.  It is the lever between cache affinity and spreading.
-* ``in_flight_requests_e`` (decoding requests slow every step and hold KV blocks) and the KV
-  term (``kv_cache_usage`` above ``kvPressureThreshold`` costs linearly up to
-  ``kvPressureTokens`` at a full cache) weigh load.  The KV term measures load by the memory
-  running requests hold, which a request count cannot do when answers are long; by default it
-  is linear from an empty cache, and a pod 20 points fuller costs about 3,300 tokens, less than
-  missing a 1,200-token question, so load decides between pods that hold the same prefix and
-  only a deep imbalance sends a request away from its prefix.
+* ``copied_e``: uncached prompt tokens on ``e`` that some pod already computed (the KV-event
+  index, predictions excluded); ``fresh_e``: the rest of the uncached tokens, new to the fleet.
+  The weights above 1 charge a miss for more than its own prefill: it delays every request that
+  queues behind it, and a copied prefix evicts something else from ``e``'s cache.  New tokens
+  are computed wherever the request goes, so they weigh less (a burst on a new prefix spreads
+  instead of queueing behind its first prefill).
+* ``queued_e``: prefill work already routed to ``e`` that has not produced its first token.
+* ``s / p``: what one request in flight adds to a time to first token (its share of every
+  engine step), over what one token of prefill costs; both learned by `ServiceRates` from the
+  requests this EPP routed (time to first token against the work queued ahead and the requests
+  in flight).  A CPU pod's step grows ~1 ms per sequence against ~10 µs per prefill token (a
+  request in flight is worth ~100 tokens there); an H100's ~0.3 ms against ~30 µs.
+* ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
+  (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
+  ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
+  the report fades as it ages (over one mean request duration), leaving this EPP's own count.
+  The request needs its uncached tokens plus a typical answer.  When that does not fit, it
+  waits until enough running requests finish: the overflow's share of ``used_e`` times the mean
+  decode time (learned).  A hot prefix therefore stays on its pod until that pod's cache is
+  full of running requests, then spills to a pod with room, which then holds it too.
+
+Before the rates are learned (the first ~24 completed requests, or when responses are not
+streamed) the in-flight term is left out and an overflow is charged as copying those tokens.
+Without prefix information (no events, no tokenizer) every cached count is 0 and this is
+least-work routing with KV room.
 
 Scores are ``(min_cost + smoothingTokens) / (cost_e + smoothingTokens)``: 1.0 for the cheapest,
 0.5 for twice its cost, so the scorer composes with others by weight, and alone with
-``max-score-picker`` it is argmin cost.  A hot prefix spills by itself: once the holder's queue
-is longer than the full prefill elsewhere, another pod wins; with speculative indexing that pod
-becomes a holder too.  Endpoints with stale scraped metrics get the KV term at its maximum.
+``max-score-picker`` it is argmin cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
-from scorers.request_data import PREFIX_COMPUTED_TOKENS, PREFIX_MATCHED_TOKENS
+from scorers.base import (
+    Endpoint,
+    GaugeSample,
+    LLMRequest,
+    Plugin,
+    PluginContext,
+    SchedulingResult,
+    Usage,
+    register,
+)
+from scorers.request_data import (
+    KV_CACHED_TOKENS,
+    PREFIX_COMPUTED_TOKENS,
+    PREFIX_MATCHED_TOKENS,
+    RESPONSE_TIMING,
+    ResponseTiming,
+)
+from scorers.service_rates import Rates, ServiceRates
+
+# request.data key private to this plugin: (prefill work ahead incl. its own, requests in
+# flight) on the chosen endpoint at the decision, for learning when the response completes.
+_DECISION = "prefill-cost.decision"
+
+# Parameters of the earlier formula, written in absolute tokens; kept here only to say what
+# replaced them when an old configuration still sets them.
+_REMOVED = {
+    "inFlightRequestTokens": "learned from the pods' measured speeds",
+    "waitingRequestTokens": "no longer used",
+    "kvPressureThreshold": "replaced by each pod's reported KV capacity",
+    "kvPressureTokens": "replaced by each pod's reported KV capacity",
+}
 
 
 class PrefillCostParameters(BaseModel):
-    """Weights of ``prefill-cost-scorer`` (module docstring); every term is in prompt tokens."""
+    """Weights of ``prefill-cost-scorer`` (module docstring); all dimensionless."""
 
     model_config = ConfigDict(extra="forbid")
 
     uncachedTokenWeight: float = Field(default=4.0, ge=0.0, le=100.0)
-    """Cost of one uncached prompt token on a candidate, relative to one token of prefill
-    already queued there.  1 = this request's TTFT alone; larger = stickier to the cache.
-    Measured (``benchmarks/routing.py``, Mooncake trace): 1 loses a third of the hits, 3-4 is
-    best at every load, 6-8 starts to queue behind hot pods.  Useful range 2-6."""
-    uncomputedTokenWeight: float = Field(default=2.0, ge=0.0, le=100.0)
-    """Cost of one uncached prompt token that no endpoint has computed yet according to the KV
-    events (``PREFIX_COMPUTED_TOKENS``, written by ``precise-prefix-cache-scorer``): the part
-    of the prompt new to the fleet, or held only as a prediction while its first prefill runs.
-    Those tokens are computed wherever the request goes, so no pod's copy is duplicated; a
-    weight below ``uncachedTokenWeight`` lets a burst of a new prefix spread over idle pods
-    instead of queueing behind the first prefill (virtual-time burst of 10 requests on a new
-    2,000-token prefix, 4 pods: worst TTFT 392 ms at 4, 253 ms at 2, 245 ms at 1), while 1
-    copies more (shared-prefix shape at load 0.9: hit rate 96.2 % at 2, 95.9 % at 1).  Equal
-    to ``uncachedTokenWeight`` turns the distinction off.  Range 1 to uncachedTokenWeight."""
-    inFlightRequestTokens: float = Field(default=250.0, ge=0.0, le=1_000_000.0)
-    """Token-equivalent cost of each request in flight on the candidate (decode load and the
-    KV blocks it holds).  It is what spreads a hot prefix whose requests each add little
-    prefill (chat sessions on a shared system prompt: TTFT p90 0.154 s at 200, 0.086 s at 500)
-    and keeps decode from piling up on the pods that won the popular prefixes (shared-prefix
-    shape with 1,000-token answers: TTFT p99 33 s at 0).  Larger values spill warm requests
-    (trace hit rate 31.5 % at 200, 30.9 % at 500 at load 0.9).  Range 200-1000."""
-    waitingRequestTokens: float = Field(default=0.0, ge=0.0, le=1_000_000.0)
-    """Token-equivalent cost of each request the pod itself reports waiting
-    (``vllm:num_requests_waiting``, scraped): requests it cannot admit yet, including those
-    routed by other EPP replicas."""
-    kvPressureThreshold: float = Field(default=0.0, ge=0.0, le=1.0)
-    """KV-cache usage (blocks held by running requests) above which the pressure term grows."""
-    kvPressureTokens: float = Field(default=16384.0, ge=0.0, le=10_000_000.0)
-    """Pressure term at a full cache, growing linearly from the threshold (default: one
-    prefill chunk of vLLM's default ``max_num_batched_tokens``); 0 turns the guard off."""
+    """Cost of one uncached prompt token some pod has already computed, relative to one token
+    of prefill already queued.  1 = this request's time alone; larger = stickier to the cache.
+    Measured on the routing matrix: 1 loses a third of the hits, 3-4 is best, 6-10 herds.
+    Useful range 2-6."""
+    uncomputedTokenWeight: float = Field(default=1.0, ge=0.0, le=100.0)
+    """Cost of one uncached prompt token no pod has computed yet (per the KV events).  Range 1
+    to uncachedTokenWeight; equal to it turns the distinction off."""
+    rateMemory: int = Field(default=300, ge=10, le=1_000_000)
+    """Half-life, in completed requests, of the learned speeds (`ServiceRates`): shorter
+    follows a changing fleet faster, longer is steadier."""
     smoothingTokens: float = Field(default=16.0, gt=0.0, le=1_000_000.0)
-    """Added to every cost before the ratio, so near-zero costs do not make huge differences."""
+    """Added to every cost before the score's ratio (scores only; the cheapest pod is the
+    cheapest whatever it is)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            for key, why in _REMOVED.items():
+                if key in data:
+                    raise ValueError(
+                        f"{key} was removed from prefill-cost-scorer ({why}): every term now "
+                        "scales with the fleet; delete the key"
+                    )
+        return data
+
+
+def _normal_pdf(z: float) -> float:
+    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 @register("prefill-cost-scorer")
 class PrefillCostScorer(Plugin):
-    """Least prefill work to the first token; see the module docstring."""
+    """Least time to the first token, weighed for the requests behind; module docstring."""
 
     Parameters = PrefillCostParameters
 
@@ -99,42 +133,97 @@ class PrefillCostScorer(Plugin):
         super().__init__(name, params, context)
         assert isinstance(params, PrefillCostParameters)
         self.p = params
+        self.rates = ServiceRates(memory=params.rateMemory)
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
         and tests)."""
         p = self.p
+        rates = self.rates.rates()
         total = request.prompt_tokens
         cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
         computed: int | None = request.data.get(PREFIX_COMPUTED_TOKENS)
-        fresh_weight = p.uncomputedTokenWeight
-        threshold = p.kvPressureThreshold
-        span = 1.0 - threshold
+        held_anything: Mapping[str, int] | None = request.data.get(KV_CACHED_TOKENS)
+        per_request = 0.0
+        excess: dict[str, float] = {}
+        if rates is not None:
+            per_token = rates.prefill_s_per_token
+            # A first token waits about 1.5 steps (the rest of the step under way, then its
+            # own), each longer by s per running request; and the request, while it runs,
+            # lengthens by s the steps of everyone who arrives there meanwhile: as many (Little's
+            # law) as are running now.  Its own delay plus the one it imposes: 3 s per request.
+            per_request = 3.0 * rates.in_flight_s_per_request / per_token
+            slowest = {e.address: self.rates.excess(e.address) for e in endpoints}
+            floor = min(slowest.values(), default=0.0)
+            excess = {a: (x - floor) / per_token for a, x in slowest.items()}
+        premium = max(0.0, p.uncachedTokenWeight - p.uncomputedTokenWeight)
+        footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
+        now = self.context.clock()
         costs: dict[str, float] = {}
-        per_request = p.inFlightRequestTokens
         for endpoint in endpoints:
-            held = cached.get(endpoint.address, 0)
+            address = endpoint.address
+            held = cached.get(address, 0)
             uncached = max(0, total - held)
             # Without the fleet-wide fact every uncached token is a copy of someone's blocks.
             copied = uncached if computed is None else max(0, min(total, computed) - held)
-            cost = (
-                p.uncachedTokenWeight * copied
-                + fresh_weight * (uncached - copied)
-                + endpoint.load.in_flight_prefill_tokens
-                + per_request * endpoint.load.in_flight_requests
+            evicting = copied - self._free_room(endpoint, held_anything)
+            load = endpoint.load
+            queued = float(load.in_flight_prefill_tokens)
+            if rates is not None and queued:
+                # The pod has been working through its queue since it last changed.
+                elapsed = max(0.0, now - load.prefill_changed_at)
+                queued = max(0.0, queued - elapsed / rates.prefill_s_per_token)
+            costs[address] = (
+                p.uncomputedTokenWeight * uncached
+                + premium * max(0, evicting)
+                + queued
+                + per_request * load.in_flight_requests
+                + excess.get(address, 0.0)
+                + self._kv_wait(endpoint, uncached, footprint, rates)
             )
-            if p.waitingRequestTokens and not endpoint.metrics_stale:
-                cost += p.waitingRequestTokens * endpoint.metrics.waiting_requests
-            if p.kvPressureTokens:
-                usage = 1.0 if endpoint.metrics_stale else endpoint.metrics.kv_cache_usage
-                if usage > threshold:
-                    cost += (
-                        p.kvPressureTokens * (min(usage, 1.0) - threshold) / span
-                        if span
-                        else p.kvPressureTokens
-                    )
-            costs[endpoint.address] = cost
         return costs
+
+    @staticmethod
+    def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
+        """Tokens of ``endpoint``'s cache holding nothing: a copy that fits there displaces
+        nothing (0 when the index or the capacity is unknown)."""
+        metrics = endpoint.metrics
+        if held_anything is None or not metrics.num_gpu_blocks or not metrics.block_size:
+            return 0
+        held = held_anything.get(endpoint.address)
+        if held is None:
+            return 0
+        return max(0, (metrics.num_gpu_blocks - 1) * metrics.block_size - held)
+
+    def _kv_wait(
+        self, endpoint: Endpoint, uncached: int, footprint: float, rates: Rates | None
+    ) -> float:
+        """Tokens-equivalent of waiting for KV room on ``endpoint`` (module docstring).
+        ``footprint``: the request's own prompt and answer, in tokens: what the KV use there
+        is uncertain by (one request more or less finishing or arriving)."""
+        metrics = endpoint.metrics
+        if not metrics.num_gpu_blocks or not metrics.block_size:
+            return 0.0
+        capacity = (metrics.num_gpu_blocks - 1) * metrics.block_size  # less vLLM's null block
+        load = endpoint.load
+        duration = rates.fixed_s + (rates.decode_s or 0.0) if rates else 0.0
+        age = endpoint.metrics_age
+        fade = 0.0 if not math.isfinite(age) else math.exp(-age / duration) if duration else 1.0
+        reported = metrics.kv_cache_usage * capacity * fade + load.kv_tokens_since_scrape
+        used = max(float(load.in_flight_kv_tokens), reported, 0.0)
+        answer = rates.output_tokens or 0.0 if rates else 0.0
+        # Expected overflow when the use is known to about one request's size: a normal
+        # spread around the estimate, so the cost rises smoothly as the pod fills.
+        margin = used + uncached + answer - capacity
+        spread = max(footprint, float(metrics.block_size))
+        z = margin / spread
+        overflow = spread * _normal_pdf(z) + margin * _normal_cdf(z)
+        if overflow <= 0:
+            return 0.0
+        if rates is None or not rates.decode_s:
+            return self.p.uncachedTokenWeight * overflow
+        share = min(1.0, overflow / max(used, spread))
+        return share * rates.decode_s / rates.prefill_s_per_token
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         costs = self.costs(request, endpoints)
@@ -143,3 +232,62 @@ class PrefillCostScorer(Plugin):
         smoothing = self.p.smoothingTokens
         best = min(costs.values()) + smoothing
         return {address: best / (cost + smoothing) for address, cost in costs.items()}
+
+    # -- learning the fleet's speeds ---------------------------------------------------------
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        if not result.targets:
+            return
+        endpoint = result.targets[0]
+        cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
+        uncached = max(0, request.prompt_tokens - cached.get(endpoint.address, 0))
+        load = endpoint.load
+        request.data[_DECISION] = (
+            load.in_flight_prefill_tokens + uncached,
+            load.in_flight_requests,
+        )
+
+    def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
+        decision: tuple[int, int] | None = request.data.get(_DECISION)
+        timing: ResponseTiming | None = request.data.get(RESPONSE_TIMING)
+        if decision is None or timing is None or not request.stream:
+            return  # a response not streamed has its first byte at the end: no time to learn
+        first, finished = timing.first_byte_at, timing.finished_at
+        if first is None or finished is None:
+            return
+        work, in_flight = decision
+        self.rates.observe(
+            work_tokens=work,
+            in_flight=in_flight,
+            ttft_s=first - timing.routed_at,
+            decode_s=finished - first,
+            output_tokens=usage.completion_tokens if usage is not None else None,
+            running=timing.running_while_decoding,
+            endpoint=endpoint,
+        )
+
+    def telemetry_samples(self) -> Iterable[GaugeSample]:
+        rates = self.rates.rates()
+        if rates is None:
+            return
+        labels = (("plugin", self.name),)
+        yield GaugeSample(
+            "inference_extension_learned_prefill_seconds_per_token",
+            "Time to first token per token of prefill queued ahead, as prefill-cost-scorer "
+            "learned it from the requests this EPP routed.",
+            rates.prefill_s_per_token,
+            labels,
+        )
+        yield GaugeSample(
+            "inference_extension_learned_in_flight_seconds_per_request",
+            "Time to first token added by each request in flight on the pod (learned).",
+            rates.in_flight_s_per_request,
+            labels,
+        )
+        if rates.decode_s is not None:
+            yield GaugeSample(
+                "inference_extension_learned_decode_seconds",
+                "Mean time from a request's first token to its last (learned).",
+                rates.decode_s,
+                labels,
+            )

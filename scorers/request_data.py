@@ -25,9 +25,22 @@ PREFIX_COMPUTED_TOKENS (``"prefix.computed_tokens"``): ``int``
     pod has already computed.  Written by ``precise-prefix-cache-scorer``; read by
     ``prefill-cost-scorer`` to tell copying a prefix from computing it for the first time.
 
+KV_CACHED_TOKENS (``"kv.cached_tokens"``): ``dict[str, int]``
+    Endpoint address → tokens of KV cache that endpoint holds for any prompt, per the KV-event
+    index (blocks × block size, every tier).  vLLM keeps a block's contents until it reuses
+    the block, so a pod that has served enough holds its capacity; one that started recently
+    or got little traffic holds less, and a prefix copied into the difference evicts nothing.
+    Written by ``precise-prefix-cache-scorer`` for endpoints whose events are trusted; read by
+    ``prefill-cost-scorer``.
+
 PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
+
+RESPONSE_TIMING (``"response.timing"``): `ResponseTiming`
+    When the request was routed, produced its first response byte and finished, on the EPP's
+    clock (``PluginContext.clock``).  Written by the director on the response path, before the
+    ResponseComplete plugins run; plugins that learn the pods' speeds read it there.
 
 SESSION_TOKEN (``"session-token"``): ``str``
     The value the ext_proc layer must send back in the ``x-session-token`` response header:
@@ -38,6 +51,7 @@ SESSION_TOKEN (``"session-token"``): ``str``
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final
 
 from scorers.base import LLMRequest
@@ -46,7 +60,22 @@ PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
 PREFIX_MATCHED_TOKENS: Final = "prefix.matched_tokens"
 PREFIX_COMPUTED_TOKENS: Final = "prefix.computed_tokens"
 PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
+KV_CACHED_TOKENS: Final = "kv.cached_tokens"
 SESSION_TOKEN: Final = "session-token"
+RESPONSE_TIMING: Final = "response.timing"
+
+
+@dataclass(slots=True)
+class ResponseTiming:
+    """A routed request's timeline on the EPP's clock (seconds); None until it happened."""
+
+    routed_at: float
+    first_byte_at: float | None = None
+    finished_at: float | None = None
+    running_while_decoding: float | None = None
+    """Time average of the requests in flight on its endpoint (itself included) from its first
+    byte to its end: the batch its decode steps ran in."""
+    in_flight_area_at_first_byte: float | None = None
 
 
 def record_prefix_matches(request: LLMRequest, matches: Mapping[str, int]) -> None:

@@ -169,18 +169,23 @@ def test_unknown_address_gives_a_detached_handle() -> None:
     assert ds.get("10.9.9.9:1") is None
 
 
-def test_handle_less_calls_clamp_at_zero() -> None:
+def test_kv_tokens_stay_until_the_request_finishes_and_count_from_the_last_scrape() -> None:
     ds = Datastore()
     ds.upsert(EndpointSpec(address=A))
     ep = ds.get(A)
     assert ep is not None
-    ds.request_started(A, 100)
-    ds.first_token(A, 100)
-    ds.first_token(A, 100)
-    ds.request_finished(A, 100)
-    ds.request_finished(A, 100)
-    ds.request_finished("10.9.9.9:1", 5)  # unknown: ignored
-    assert (ep.load.in_flight_requests, ep.load.in_flight_prefill_tokens) == (0, 0)
+    first = ds.request_started(A, 300)
+    ds.update_metrics(A, EndpointMetrics(kv_cache_usage=0.1))
+    assert ep.load.kv_tokens_since_scrape == 0  # the scrape already sees the first request
+    second = ds.request_started(A, 200)
+    first.first_token()
+    # Its prefill is done, its blocks stay: 500 tokens in flight, 200 of them since the scrape.
+    assert (ep.load.in_flight_prefill_tokens, ep.load.in_flight_kv_tokens) == (200, 500)
+    assert ep.load.kv_tokens_since_scrape == 200
+    first.finish()  # counted by the scrape and gone since: the pod holds 300 fewer
+    assert (ep.load.in_flight_kv_tokens, ep.load.kv_tokens_since_scrape) == (200, -100)
+    second.finish()
+    assert (ep.load.in_flight_kv_tokens, ep.load.kv_tokens_since_scrape) == (0, -300)
 
 
 def test_negative_prefill_is_treated_as_zero() -> None:

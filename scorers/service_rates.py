@@ -1,0 +1,207 @@
+"""How fast the fleet serves, learned online from the requests the EPP routed.
+
+A cost in seconds needs the pods' speeds, and those differ by four orders of magnitude between
+a CPU pod and an H100, so they are measured rather than configured.  For every streamed request
+that completed, the EPP knows (on its own clock, `scorers.request_data.ResponseTiming`) how long
+it waited for its first byte and how long it then decoded, and (from its own accounting at the
+decision) how much prefill work was queued on that pod ahead of it, its own uncached tokens
+included, and how many requests were in flight there.  From those:
+
+* **prefill**: time to first token against the work ahead, ``ttft ≈ a + p · work``, fitted
+  through a low quantile (the 20th percentile) of the time to first token in bins of work
+  (powers of two): the fastest requests of each size are the ones that did not also wait for KV
+  room or behind a long step, so the line through them is the prefill itself.  ``p`` is seconds
+  per token of prefill, ``a`` the fixed part (a step, the network);
+* **steps**: a request's time per output token against the mean number of requests running
+  on its pod while it decoded, ``itl ≈ b + s · running`` (exponentially weighted least
+  squares): ``s`` is what one running request adds to every engine step, hence to a time to
+  first token too;
+* **decode time** and **answer length**: exponentially weighted means;
+* **per pod**: how much slower than this model each pod's recent first tokens were (an
+  exponentially weighted mean of the residual): a pod that is overloaded, or slower hardware, or
+  sharing its machine, shows it here before anything else.
+
+Estimates are pooled over the fleet's pods and are None until enough requests were seen, so a
+cost that needs them can fall back to tokens alone.  Plain data in, plain numbers out: no
+clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_QUANTILE = 0.2
+_QUANTILE_STEP = 0.05  # multiplicative step of the quantile tracker (log space)
+_MIN_BIN_SAMPLES = 4.0
+_POD_MEMORY = 32  # requests: half-life of a pod's excess
+
+
+@dataclass(slots=True, frozen=True)
+class Rates:
+    """One snapshot of the estimates (seconds)."""
+
+    prefill_s_per_token: float
+    """``p``: time to first token per token of prefill work queued ahead of it (its own
+    uncached tokens included)."""
+    fixed_s: float
+    """``a``: time to first token with nothing queued."""
+    in_flight_s_per_request: float
+    """``s``: what each request running on a pod adds to each engine step there."""
+    decode_s: float | None
+    """Mean time from first to last token of a request (None before any multi-token answer)."""
+    output_tokens: float | None
+    """Mean answer length in tokens."""
+    samples: int
+
+
+class _Bin:
+    __slots__ = ("count", "quantile", "work")
+
+    def __init__(self, work: float, ttft: float) -> None:
+        self.count = 0.0
+        self.work = work
+        self.quantile = ttft
+
+
+class ServiceRates:
+    """The estimator (module docstring).  ``memory``: the half-life of a sample, in requests;
+    ``min_samples``: requests seen before the fit is trusted."""
+
+    def __init__(self, memory: int = 300, min_samples: int = 24) -> None:
+        if memory < 2 or min_samples < 2:
+            raise ValueError("memory and min_samples must be >= 2")
+        self._decay = 0.5 ** (1.0 / memory)
+        self._weight = 1.0 - self._decay
+        self._min_samples = min_samples
+        self._bins: dict[int, _Bin] = {}
+        self._samples = 0
+        self._line: tuple[float, float] | None = None  # (a, p)
+        self._line_stale = True
+        # itl = b + s · in_flight: exponentially weighted sums of the normal equations.
+        self._n = self._r = self._rr = self._y = self._ry = 0.0
+        self._decode: float | None = None
+        self._output: float | None = None
+        self._excess: dict[str, float] = {}
+
+    def observe(
+        self,
+        *,
+        work_tokens: float,
+        in_flight: int,
+        ttft_s: float,
+        decode_s: float | None = None,
+        output_tokens: int | None = None,
+        running: float | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        """One completed request: the prefill work ahead of it and the requests in flight on
+        its pod when it was routed, its time to first token, and (when it streamed more than
+        one token) its decode time, answer length and the mean number of requests running on
+        its pod meanwhile."""
+        if not (math.isfinite(ttft_s) and ttft_s > 0 and work_tokens >= 0 and in_flight >= 0):
+            return
+        self._samples += 1
+        self._observe_prefill(work_tokens, ttft_s)
+        if decode_s is not None and output_tokens is not None and output_tokens > 1:
+            if math.isfinite(decode_s) and decode_s >= 0:
+                self._decode = self._ewma(self._decode, decode_s)
+                self._output = self._ewma(self._output, float(output_tokens))
+                if running is not None and math.isfinite(running) and running >= 1:
+                    self._observe_steps(running, decode_s / (output_tokens - 1))
+        rates = self.rates()
+        if endpoint is not None and rates is not None:
+            predicted = self.predict_ttft(rates, work_tokens, in_flight)
+            old = self._excess.get(endpoint, 0.0)
+            self._excess[endpoint] = old + (ttft_s - predicted - old) / _POD_MEMORY
+
+    def _ewma(self, current: float | None, value: float) -> float:
+        return value if current is None else current + self._weight * (value - current)
+
+    def _observe_prefill(self, work: float, ttft: float) -> None:
+        key = int(math.log2(work + 1.0))
+        decay = self._decay
+        for b in self._bins.values():
+            b.count *= decay
+        entry = self._bins.get(key)
+        if entry is None:
+            entry = self._bins[key] = _Bin(work, ttft)
+        entry.count += 1.0
+        entry.work += (work - entry.work) / min(entry.count + 1.0, 1.0 / self._weight)
+        # The τ-quantile tracker, in log space: up by τ when a sample is above it, down by
+        # (1 − τ) when below, so it settles where a fraction τ of the samples are below.
+        step = _QUANTILE if ttft > entry.quantile else -(1.0 - _QUANTILE)
+        entry.quantile *= math.exp(_QUANTILE_STEP * step)
+        self._line_stale = True
+
+    def _observe_steps(self, running: float, itl: float) -> None:
+        d = self._decay
+        r = running
+        self._n = self._n * d + 1.0
+        self._r = self._r * d + r
+        self._rr = self._rr * d + r * r
+        self._y = self._y * d + itl
+        self._ry = self._ry * d + r * itl
+
+    def _fit_line(self) -> tuple[float, float] | None:
+        if not self._line_stale:
+            return self._line
+        self._line_stale = False
+        bins = [b for b in self._bins.values() if b.count >= _MIN_BIN_SAMPLES]
+        self._line = None
+        if len(bins) < 2:
+            return None
+        low = min(b.work for b in bins)
+        high = max(b.work for b in bins)
+        if high < 1.5 * max(low, 1.0):
+            return None  # too little spread in work to see the prefill's slope
+        w = sum(b.count for b in bins)
+        mx = sum(b.count * b.work for b in bins) / w
+        my = sum(b.count * b.quantile for b in bins) / w
+        sxx = sum(b.count * (b.work - mx) ** 2 for b in bins)
+        sxy = sum(b.count * (b.work - mx) * (b.quantile - my) for b in bins)
+        if sxx <= 0:
+            return None
+        p = sxy / sxx
+        self._line = (my - p * mx, p)
+        return self._line
+
+    def rates(self) -> Rates | None:
+        """The current estimates, or None while too few requests were seen or the prefill's
+        slope cannot be seen yet (no spread in work, or no cost to it)."""
+        if self._samples < self._min_samples:
+            return None
+        line = self._fit_line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        if not per_token > 0:
+            return None
+        per_request = 0.0
+        det = self._n * self._rr - self._r * self._r
+        if self._n > 1 and det > 1e-9 * max(1.0, self._n * self._rr):
+            per_request = max(0.0, (self._n * self._ry - self._r * self._y) / det)
+        return Rates(
+            prefill_s_per_token=per_token,
+            fixed_s=max(0.0, fixed),
+            in_flight_s_per_request=per_request,
+            decode_s=self._decode,
+            output_tokens=self._output,
+            samples=self._samples,
+        )
+
+    @staticmethod
+    def predict_ttft(rates: Rates, work_tokens: float, in_flight: int) -> float:
+        return (
+            rates.fixed_s
+            + rates.prefill_s_per_token * work_tokens
+            + rates.in_flight_s_per_request * in_flight
+        )
+
+    def excess(self, endpoint: str) -> float:
+        """How much slower than the model this pod's recent first tokens were (seconds; can be
+        negative for a pod faster than the fleet)."""
+        return self._excess.get(endpoint, 0.0)
+
+    def forget(self, endpoint: str) -> None:
+        self._excess.pop(endpoint, None)
