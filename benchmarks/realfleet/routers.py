@@ -89,6 +89,9 @@ def fleet_config(config_yaml: str, fleet: Fleet) -> str:
 class EppRouter:
     """``epp serve`` with static endpoints and a policy's configuration, and Envoy in front."""
 
+    log_level: str | None = None
+    """``epp --log-level`` (debug logs every decision); None leaves the EPP's default."""
+
     def __init__(self, name: str, config_yaml: str) -> None:
         self.name = name
         self.config_yaml = config_yaml
@@ -110,7 +113,7 @@ class EppRouter:
             "--drain-timeout",
             "1s",
         ]
-        self._epp = spawn(epp_command(self._ports, options), log)
+        self._epp = spawn(epp_command(self._ports, options, log_level=self.log_level), log)
         try:
             wait_grpc_ready(self._ports.health, self._epp, log, timeout=120)
             self._envoy = start_loopback_envoy(self._ports.grpc, workdir)
