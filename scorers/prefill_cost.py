@@ -31,8 +31,10 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   decode time (learned).  A hot prefix therefore stays on its pod until that pod's cache is
   full of running requests, then spills to a pod with room, which then holds it too.
 
-Before the rates are learned (the first ~24 completed requests, or when responses are not
-streamed) the in-flight term is left out and an overflow is charged as copying those tokens.
+Before the rates are learned (the first ~24 completed requests), or when they cannot be (the
+responses are not streamed, or prefill does not show in the first tokens at all: a machine
+whose CPU contention dwarfs it), a request in flight costs the KV blocks it added there
+(Dynamo's rule) and an overflow is charged as copying those tokens.
 Without prefix information (no events, no tokenizer) every cached count is 0 and this is
 least-work routing with KV room.
 
@@ -176,11 +178,18 @@ class PrefillCostScorer(Plugin):
                 # The pod has been working through its queue since it last changed.
                 elapsed = max(0.0, now - load.prefill_changed_at)
                 queued = max(0.0, queued - elapsed / rates.prefill_s_per_token)
+            # Until the pods' speeds are known, a request in flight costs the KV blocks it added
+            # (Dynamo's rule): requests that hold more of a pod weigh more.
+            in_flight = (
+                per_request * load.in_flight_requests
+                if rates is not None
+                else float(load.in_flight_kv_tokens)
+            )
             costs[address] = (
                 p.uncomputedTokenWeight * uncached
                 + premium * max(0, evicting)
                 + queued
-                + per_request * load.in_flight_requests
+                + in_flight
                 + excess.get(address, 0.0)
                 + self._kv_wait(endpoint, uncached, footprint, rates)
             )
@@ -276,6 +285,12 @@ class PrefillCostScorer(Plugin):
             running=timing.running_while_decoding,
             endpoint=endpoint,
         )
+
+    def endpoint_added(self, endpoint: Endpoint) -> None:
+        pass
+
+    def endpoint_removed(self, endpoint: Endpoint) -> None:
+        self.rates.forget(endpoint.address)
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
         rates = self.rates.rates()

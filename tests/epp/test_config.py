@@ -278,9 +278,12 @@ def test_tolerated_top_level_keys_are_ignored_with_a_warning(
 
 
 async def test_built_scheduler_schedules() -> None:
-    """Without a tokenizer the default degrades to least work: the fewest requests in flight."""
+    """Without a tokenizer the default degrades to least work: before the pods' speeds are
+    learned, the pod whose requests in flight hold the least KV."""
     scheduler = build_scheduler(load_config(), context())
     eps = [endpoint("a:1", in_flight=3), endpoint("b:1", in_flight=0), endpoint("c:1", in_flight=1)]
+    for ep in eps:
+        ep.load.in_flight_kv_tokens = 500 * ep.load.in_flight_requests
     result = await scheduler.schedule(request(prompt="hello " * 40), eps)
     assert [e.address for e in result.targets] == ["b:1"]
 

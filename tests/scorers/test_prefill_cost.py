@@ -1,26 +1,55 @@
-"""prefill-cost-scorer: cost in tokens of prefill work, argmin through the ratio score."""
+"""prefill-cost-scorer: cost in tokens of prefill work, every term in units the fleet states."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
-from scorers.base import Endpoint, EndpointLoad, EndpointMetrics, PluginConfigError
-from scorers.request_data import PREFIX_COMPUTED_TOKENS, PREFIX_MATCHED_TOKENS
-from tests.scorers.plugin_helpers import make, request
+from scorers.base import (
+    Endpoint,
+    EndpointLoad,
+    EndpointMetrics,
+    LLMRequest,
+    PluginConfigError,
+    Usage,
+)
+from scorers.request_data import (
+    KV_CACHED_TOKENS,
+    PREFIX_COMPUTED_TOKENS,
+    PREFIX_MATCHED_TOKENS,
+    RESPONSE_TIMING,
+    ResponseTiming,
+)
+from tests.scorers.plugin_helpers import make, request, result_for
 
-PARAMS = {"uncachedTokenWeight": 4, "inFlightRequestTokens": 200, "kvPressureTokens": 0}
 
-
-def ep(address: str, *, queued: int = 0, in_flight: int = 0, kv: float = 0.0) -> Endpoint:
-    return Endpoint(
+def ep(
+    address: str,
+    *,
+    queued: int = 0,
+    in_flight: int = 0,
+    kv: float = 0.0,
+    blocks: int | None = None,
+    age: float = 0.0,
+) -> Endpoint:
+    """An endpoint whose cache holds ``blocks`` blocks of 16 tokens (None: unknown)."""
+    endpoint = Endpoint(
         address=address,
-        metrics=EndpointMetrics(kv_cache_usage=kv),
+        metrics=EndpointMetrics(
+            kv_cache_usage=kv,
+            block_size=16 if blocks is not None else None,
+            num_gpu_blocks=blocks,
+        ),
         load=EndpointLoad(in_flight_requests=in_flight, in_flight_prefill_tokens=queued),
     )
+    endpoint.metrics_age = age
+    return endpoint
 
 
-def prompt(tokens: int, matched: dict[str, int] | None = None) -> object:
-    req = request(prompt=list(range(tokens)))
+def prompt(tokens: int, matched: dict[str, int] | None = None) -> LLMRequest:
+    req = request(prompt=list(range(tokens)), stream=True)
     if matched is not None:
         req.data[PREFIX_MATCHED_TOKENS] = matched
     return req
@@ -30,86 +59,112 @@ def best(scores: dict[str, float]) -> str:
     return max(scores, key=lambda a: scores[a])
 
 
-def test_cost_is_weighted_uncached_plus_queued_plus_in_flight() -> None:
-    scorer = make("prefill-cost-scorer", PARAMS)
+def test_before_learning_the_cost_is_uncached_work_plus_queued_work() -> None:
+    scorer = make("prefill-cost-scorer")
     eps = [ep("a", queued=1000, in_flight=2), ep("b"), ep("c", queued=50)]
     req = prompt(10_000, {"a": 8000, "c": 2000})
-    assert scorer.costs(req, eps) == {
-        "a": 4 * 2000 + 1000 + 2 * 200,
-        "b": 4 * 10_000,
-        "c": 4 * 8000 + 50,
-    }
+    # No KV-event fact: every uncached token is a copy (4), queued work counts once, in-flight
+    # requests cost nothing until their cost is measured.
+    assert scorer.costs(req, eps) == {"a": 4 * 2000 + 1000, "b": 4 * 10_000, "c": 4 * 8000 + 50}
     scores = scorer.score(req, eps)
     assert scores["a"] == 1.0
-    assert scores["b"] == pytest.approx((9400 + 16) / (40_000 + 16))
+    assert scores["b"] == pytest.approx((9000 + 16) / (40_000 + 16))
 
 
-def test_tokens_no_pod_has_computed_cost_the_uncomputed_weight() -> None:
-    scorer = make("prefill-cost-scorer", {**PARAMS, "uncomputedTokenWeight": 1.5})
+def test_tokens_new_to_the_fleet_cost_less_than_copies() -> None:
+    scorer = make("prefill-cost-scorer")
     eps = [ep("real"), ep("predicted"), ep("cold")]
-    # 10,000 tokens: "real" holds 3,000 per the KV events (so some pod computed 3,000);
-    # "predicted" is predicted to hold 6,000 (a routed prefill still running).
+    # 10,000 tokens: "real" holds 3,000 per the KV events; "predicted" is predicted to hold
+    # 6,000 (its prefill still running).  Tokens no pod computed cost 1, copies 4.
     req = prompt(10_000, {"real": 3000, "predicted": 6000})
     req.data[PREFIX_COMPUTED_TOKENS] = 3000
     assert scorer.costs(req, eps) == {
-        "real": 1.5 * 7000,
-        "predicted": 1.5 * 4000,
-        "cold": 4 * 3000 + 1.5 * 7000,
+        "real": 7000,
+        "predicted": 4000,
+        "cold": 4 * 3000 + 7000,
     }
-    # Without the fleet-wide fact (no precise scorer), every uncached token is a copy.
-    del req.data[PREFIX_COMPUTED_TOKENS]
-    assert scorer.costs(req, eps)["cold"] == 4 * 10_000
 
 
-def test_cache_holder_wins_until_its_queue_outweighs_a_full_prefill() -> None:
-    scorer = make("prefill-cost-scorer", PARAMS)
-    req = prompt(6000, {"holder": 6000})
-    # Holder: 4·0 + queued; idle pod: 4·6000 = 24,000.  A hot prefix spills past that queue.
-    assert best(scorer.score(req, [ep("holder", queued=20_000), ep("idle")])) == "holder"
-    assert best(scorer.score(req, [ep("holder", queued=30_000), ep("idle")])) == "idle"
+def test_a_copy_into_free_room_costs_its_prefill_alone() -> None:
+    scorer = make("prefill-cost-scorer")
+    # 4,000 blocks of 16 tokens per pod; "empty" holds nothing yet, "full" is full of other
+    # prompts (the index says so).
+    empty, full, holder = (
+        ep("empty", blocks=4000),
+        ep("full", blocks=4000),
+        ep("holder", blocks=4000),
+    )
+    req = prompt(2000, {"holder": 2000})
+    req.data[PREFIX_COMPUTED_TOKENS] = 2000
+    req.data[KV_CACHED_TOKENS] = {"empty": 0, "full": 63_984, "holder": 63_984}
+    costs = scorer.costs(req, [empty, full, holder])
+    assert costs["empty"] == pytest.approx(2000)  # displaces nothing: its prefill only
+    assert costs["full"] == pytest.approx(2000 + 3 * 2000)  # evicts 2,000 tokens of others
+    assert costs["holder"] == pytest.approx(0, abs=1)
+
+
+def test_a_pod_without_kv_room_is_avoided_and_the_cost_rises_smoothly() -> None:
+    scorer = make("prefill-cost-scorer")
+    # Every pod holds the prompt's 1,000 tokens; the request only needs room for its answer
+    # there, but the pods' caches are held to different degrees by running requests (255
+    # usable blocks of 16 = 4,080 tokens).
+    names = ("busy", "roomy", "half", "sixty")
+    req = prompt(1000, dict.fromkeys(names, 1000))
+    usage = {"busy": 0.99, "roomy": 0.2, "half": 0.5, "sixty": 0.6}
+    costs = scorer.costs(req, [ep(n, kv=usage[n], blocks=256) for n in names])
+    # Graded: each pod a little fuller costs a little more, and the nearly full one most.
+    assert costs["roomy"] < costs["half"] < costs["sixty"] < costs["busy"]
+    assert costs["roomy"] == pytest.approx(0, abs=1)
+    # Metrics that are very old fade: the EPP's own count of what it routed there remains.
+    stale = scorer.costs(req, [ep("busy", kv=0.99, blocks=256, age=math.inf)])
+    assert stale["busy"] < costs["busy"]
 
 
 def test_without_prefix_information_it_is_least_work_routing() -> None:
-    scorer = make("prefill-cost-scorer", PARAMS)
+    scorer = make("prefill-cost-scorer")
     eps = [ep("a", queued=5000), ep("b", queued=100, in_flight=1), ep("c", queued=400)]
     assert best(scorer.score(prompt(3000), eps)) == "b"
     # Text prompt, no tokenizer: length estimated at 4 characters per token, same ranking.
     assert best(scorer.score(request(prompt="word " * 400), eps)) == "b"
 
 
-def test_kv_pressure_and_stale_metrics_count_against_a_pod() -> None:
-    scorer = make(
-        "prefill-cost-scorer",
-        {
-            "uncachedTokenWeight": 1,
-            "inFlightRequestTokens": 0,
-            "kvPressureThreshold": 0.9,
-            "kvPressureTokens": 10_000,
-        },
+def _complete(scorer: object, rng: random.Random, endpoint: Endpoint, work: int) -> None:
+    """One request through the scorer's learning hooks, as the director drives them."""
+    req = prompt(work)
+    req.request_id = f"r{rng.random()}"
+    endpoint.load.in_flight_requests = rng.randint(0, 20)
+    scorer.pre_request(req, result_for(endpoint))  # type: ignore[attr-defined]
+    running = endpoint.load.in_flight_requests + 1
+    ttft = 0.01 + 30e-6 * work + 5e-4 * running
+    itl = 0.008 + 5e-4 * running
+    req.data[RESPONSE_TIMING] = ResponseTiming(
+        routed_at=0.0,
+        first_byte_at=ttft,
+        finished_at=ttft + 99 * itl,
+        running_while_decoding=running,
     )
-    full = ep("full", kv=0.95)
-    stale = ep("stale")
-    stale.metrics_stale = True
-    costs = scorer.costs(prompt(1000), [full, stale, ep("ok", kv=0.85)])
-    assert costs == {"full": pytest.approx(1000 + 5000), "stale": 11_000, "ok": 1000}
+    scorer.response_complete(req, endpoint.address, Usage(work, 100, 0))  # type: ignore[attr-defined]
 
 
-def test_default_kv_term_is_linear_in_usage_and_rarely_beats_a_miss() -> None:
-    scorer = make("prefill-cost-scorer", {"inFlightRequestTokens": 0})
-    costs = scorer.costs(prompt(1000), [ep("half", kv=0.5), ep("empty")])
-    assert costs == {"half": pytest.approx(4 * 1000 + 0.5 * 16_384), "empty": 4000}
-    # A pod 20 points fuller that holds a 1,200-token question still wins (3,277 < 4,800).
-    req = prompt(7200, {"holder": 7200, "other": 6000})
-    assert best(scorer.score(req, [ep("holder", kv=0.8), ep("other", kv=0.6)])) == "holder"
+def test_in_flight_requests_cost_what_the_pods_measured() -> None:
+    scorer = make("prefill-cost-scorer")
+    rng = random.Random(0)
+    learner = ep("learner")
+    for _ in range(300):
+        _complete(scorer, rng, learner, rng.choice((100, 500, 2000, 6000)))
+    rates = scorer.rates.rates()
+    assert rates is not None
+    assert rates.prefill_s_per_token == pytest.approx(30e-6, rel=0.3)
+    # One running request costs 3 × s / p tokens: ~3 × 0.5 ms / 30 µs = 50.
+    per_request = scorer.costs(prompt(100), [ep("x", in_flight=10)])["x"] - 4 * 100
+    assert per_request == pytest.approx(10 * 3 * 5e-4 / rates.prefill_s_per_token, rel=0.01)
+    assert 30 * 10 < per_request < 80 * 10
 
 
-def test_parameters_are_validated() -> None:
+def test_removed_parameters_say_what_replaced_them() -> None:
+    with pytest.raises(PluginConfigError, match="inFlightRequestTokens was removed"):
+        make("prefill-cost-scorer", {"inFlightRequestTokens": 250})
+    with pytest.raises(PluginConfigError, match="kvPressureTokens was removed"):
+        make("prefill-cost-scorer", {"kvPressureTokens": 16384})
     with pytest.raises(PluginConfigError, match="uncachedTokenWeight"):
         make("prefill-cost-scorer", {"uncachedTokenWeight": -1})
-
-
-def test_scraped_waiting_requests_count_when_configured() -> None:
-    scorer = make("prefill-cost-scorer", {**PARAMS, "waitingRequestTokens": 1000})
-    waiting = ep("w")
-    waiting.metrics.waiting_requests = 3
-    assert scorer.costs(prompt(100), [waiting, ep("x")]) == {"w": 400 + 3000, "x": 400}

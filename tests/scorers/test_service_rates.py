@@ -60,9 +60,7 @@ def test_nothing_is_learned_before_enough_requests_or_when_prefill_does_not_show
     rng = random.Random(3)
     for _ in range(500):
         # A machine whose first tokens are all about waiting for a shared CPU: no slope.
-        flat.observe(
-            work_tokens=rng.choice((80, 1400)), in_flight=1, ttft_s=rng.uniform(0.1, 1.5)
-        )
+        flat.observe(work_tokens=rng.choice((80, 1400)), in_flight=1, ttft_s=rng.uniform(0.1, 1.5))
     assert flat.rates() is None
 
 
