@@ -107,7 +107,7 @@ plugins:
 - type: prefill-cost-scorer
   parameters:
     uncachedTokenWeight: 4
-    uncomputedTokenWeight: 1
+    uncomputedTokenWeight: 2
 - type: max-score-picker
 - type: single-profile-handler
 schedulingProfiles:

@@ -116,11 +116,9 @@ class InFlightRequest:
         self._load = load
         self._clock = clock
         self._prefill_pending = True
-        now = clock()
-        load.advance_area(now)
+        load.advance_area(clock())
         load.in_flight_requests += 1
         load.in_flight_prefill_tokens += self.prefill_tokens
-        load.prefill_changed_at = now
         load.in_flight_kv_tokens += self.prefill_tokens
         load.kv_tokens_since_scrape += self.prefill_tokens
 
@@ -136,7 +134,6 @@ class InFlightRequest:
             load.in_flight_prefill_tokens = max(
                 0, load.in_flight_prefill_tokens - self.prefill_tokens
             )
-            load.prefill_changed_at = self._clock()
 
     def finish(self) -> None:
         """The response ended (in any way)."""

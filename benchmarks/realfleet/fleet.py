@@ -6,6 +6,7 @@ reported is what the engines counted.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import urllib.request
@@ -55,6 +56,19 @@ class EngineCounters:
             self.prefix_queries - before.prefix_queries,
             self.finished - before.finished,
         )
+
+
+def warm_up(servers: list[Server], model: str) -> None:
+    """One short request to each server directly, before any router sees it: a fresh vLLM-CPU
+    server spends about two seconds on its first request (production pods have long done so),
+    and a router that watches queues would otherwise learn that start-up, not the fleet."""
+    body = json.dumps({"model": model, "prompt": "warm up", "max_tokens": 2}).encode()
+    for server in servers:
+        request = urllib.request.Request(
+            f"{server.url}/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
 
 
 def read_counters(server: Server) -> EngineCounters:

@@ -63,25 +63,32 @@ def test_before_learning_the_cost_is_uncached_work_plus_queued_work() -> None:
     scorer = make("prefill-cost-scorer")
     eps = [ep("a", queued=1000, in_flight=2), ep("b"), ep("c", queued=50)]
     req = prompt(10_000, {"a": 8000, "c": 2000})
-    # No KV-event fact: every uncached token is a copy (4), queued work counts once, in-flight
-    # requests cost nothing until their cost is measured.
-    assert scorer.costs(req, eps) == {"a": 4 * 2000 + 1000, "b": 4 * 10_000, "c": 4 * 8000 + 50}
+    # No KV-event fact: every uncached token is a copy.  Each costs its own prefill (1), the
+    # delay it imposes on the requests queued behind it (1 on a pod as busy as the fleet's
+    # mean, here a with 2 in flight; 0 on idle pods) and, beyond the pod's free room, the
+    # eviction of what it displaces (4 − 2 = 2).  Queued prefill counts once.
+    assert scorer.costs(req, eps) == {
+        "a": 2 * 2000 + 2 * 2000 + 1000,
+        "b": 1 * 10_000 + 2 * 10_000,
+        "c": 1 * 8000 + 2 * 8000 + 50,
+    }
     scores = scorer.score(req, eps)
     assert scores["a"] == 1.0
-    assert scores["b"] == pytest.approx((9000 + 16) / (40_000 + 16))
+    assert scores["b"] == pytest.approx((9000 + 16) / (30_000 + 16))
 
 
 def test_tokens_new_to_the_fleet_cost_less_than_copies() -> None:
     scorer = make("prefill-cost-scorer")
     eps = [ep("real"), ep("predicted"), ep("cold")]
     # 10,000 tokens: "real" holds 3,000 per the KV events; "predicted" is predicted to hold
-    # 6,000 (its prefill still running).  Tokens no pod computed cost 1, copies 4.
+    # 6,000 (its prefill still running).  Idle pods: tokens no pod computed cost their prefill
+    # (1), copies evict on top (+2).
     req = prompt(10_000, {"real": 3000, "predicted": 6000})
     req.data[PREFIX_COMPUTED_TOKENS] = 3000
     assert scorer.costs(req, eps) == {
         "real": 7000,
         "predicted": 4000,
-        "cold": 4 * 3000 + 7000,
+        "cold": 10_000 + 2 * 3000,
     }
 
 
@@ -99,7 +106,7 @@ def test_a_copy_into_free_room_costs_its_prefill_alone() -> None:
     req.data[KV_CACHED_TOKENS] = {"empty": 0, "full": 63_984, "holder": 63_984}
     costs = scorer.costs(req, [empty, full, holder])
     assert costs["empty"] == pytest.approx(2000)  # displaces nothing: its prefill only
-    assert costs["full"] == pytest.approx(2000 + 3 * 2000)  # evicts 2,000 tokens of others
+    assert costs["full"] == pytest.approx(2000 + 2 * 2000)  # evicts 2,000 tokens of others
     assert costs["holder"] == pytest.approx(0, abs=1)
 
 
@@ -123,9 +130,11 @@ def test_a_pod_without_kv_room_is_avoided_and_the_cost_rises_smoothly() -> None:
 def test_without_prefix_information_it_is_least_work_routing() -> None:
     scorer = make("prefill-cost-scorer")
     eps = [ep("a", queued=5000), ep("b", queued=100, in_flight=1), ep("c", queued=400)]
-    assert best(scorer.score(prompt(3000), eps)) == "b"
+    # a: 3,000 + 5,000 queued; b: 3,000 × 2 (its request in flight waits behind this prefill)
+    # + 100; c: 3,000 + 400.
+    assert best(scorer.score(prompt(3000), eps)) == "c"
     # Text prompt, no tokenizer: length estimated at 4 characters per token, same ranking.
-    assert best(scorer.score(request(prompt="word " * 400), eps)) == "b"
+    assert best(scorer.score(request(prompt="word " * 400), eps)) == "c"
 
 
 def _complete(scorer: object, rng: random.Random, endpoint: Endpoint, work: int) -> None:
