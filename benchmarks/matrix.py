@@ -171,8 +171,11 @@ def build_workload(cell: Cell, seed: int, duration: float, trace: Path) -> Workl
             seed=seed,
         )
 
-    probe = make(1.0)
-    rate = cell.load / offered_load(probe, profile, cell.pods)
+    # The rate that offers the load: pods × load over the mean work of a request (from a
+    # large sample of the generator's requests, whatever its arrival times).
+    probe = make(1000.0 / duration).requests
+    mean_work = sum(work_seconds(profile, r.input_length, r.output_length) for r in probe)
+    rate = cell.load * cell.pods * len(probe) / mean_work
     return workloads.within(make(rate), profile.max_model_len)
 
 

@@ -6,37 +6,46 @@ the same defaults hold from a 4k-token CPU pod to a 400k-token H100.
 
 Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
 
-    cost_e = uncachedTokenWeight · copied_e + uncomputedTokenWeight · fresh_e + queued_e
-           + (s / p) · in_flight_e
-           + wait_e / p            when the request does not fit in e's free KV cache
+    cost_e = (1 + (uncomputedTokenWeight − 1) · busy_e) · uncached_e
+           + (uncachedTokenWeight − uncomputedTokenWeight) · (copied_e − free_e)⁺
+           + queued_e + 3 (s / p) · in_flight_e + excess_e / p
+           + wait_e / p                 (the request does not fit in e's KV cache)
 
-* ``copied_e``: uncached prompt tokens on ``e`` that some pod already computed (the KV-event
-  index, predictions excluded); ``fresh_e``: the rest of the uncached tokens, new to the fleet.
-  The weights above 1 charge a miss for more than its own prefill: it delays every request that
-  queues behind it, and a copied prefix evicts something else from ``e``'s cache.  New tokens
-  are computed wherever the request goes, so they weigh less (a burst on a new prefix spreads
-  instead of queueing behind its first prefill).
+* ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
+  entries for requests just routed there).  Each costs its own prefill (1) and the delay it
+  imposes on the requests that queue behind it: ``uncomputedTokenWeight − 1`` (1) on a pod as
+  busy as the fleet's mean, less on a quieter one (``busy_e``: its requests in flight over
+  the fleet's mean, at most 1).  An idle pod takes new work at its bare cost.
+* ``copied_e``: those of them some pod has already computed.  A copy that does not fit in
+  ``e``'s free room (``free_e``: its capacity less what the index says it holds) evicts
+  something else: ``uncachedTokenWeight − uncomputedTokenWeight`` (2) more per token.  New
+  tokens are computed wherever the request goes, so they carry no such premium (a burst on a
+  new prefix spreads instead of queueing behind its first prefill), and a prefix copied into a
+  pod that still has room displaces nothing.
 * ``queued_e``: prefill work already routed to ``e`` that has not produced its first token.
-* ``s / p``: what one request in flight adds to a time to first token (its share of every
-  engine step), over what one token of prefill costs; both learned by `ServiceRates` from the
-  requests this EPP routed (time to first token against the work queued ahead and the requests
-  in flight).  A CPU pod's step grows ~1 ms per sequence against ~10 µs per prefill token (a
-  request in flight is worth ~100 tokens there); an H100's ~0.3 ms against ~30 µs.
+* ``s / p``: what one request in flight adds to every engine step, over what one token of
+  prefill costs; both learned by `ServiceRates` from the requests this EPP routed.  A first
+  token waits about 1.5 steps, and while it runs the request lengthens the steps of as many
+  later arrivals (Little's law): 3 steps' worth in all.  A CPU pod's step grows ~1 ms per
+  sequence against ~10 µs per prefill token; an H100's ~0.2 ms against ~30 µs.
+* ``excess_e``: how much slower than that model ``e``'s recent first tokens were, against the
+  fastest pod (an overloaded pod, slower hardware, a noisy neighbour).
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
   the report fades as it ages (over one mean request duration), leaving this EPP's own count.
-  The request needs its uncached tokens plus a typical answer.  When that does not fit, it
-  waits until enough running requests finish: the overflow's share of ``used_e`` times the mean
-  decode time (learned).  A hot prefix therefore stays on its pod until that pod's cache is
-  full of running requests, then spills to a pod with room, which then holds it too.
+  The request needs its uncached tokens plus a typical answer, give or take one request's
+  size: the expected overflow rises smoothly as the pod fills.  What overflows waits until
+  enough running requests finish: its share of ``used_e`` times the mean decode time
+  (learned).  A hot prefix stays on its pod until that pod's cache is full of running
+  requests, then spills to a pod with room, which then holds it too.
 
-Before the rates are learned (the first ~24 completed requests), or when they cannot be (the
+Before the speeds are learned (the first ~24 completed requests), or when they cannot be (the
 responses are not streamed, or prefill does not show in the first tokens at all: a machine
-whose CPU contention dwarfs it), a request in flight costs the KV blocks it added there
-(Dynamo's rule) and an overflow is charged as copying those tokens.
-Without prefix information (no events, no tokenizer) every cached count is 0 and this is
-least-work routing with KV room.
+whose CPU contention dwarfs it), the in-flight and excess terms are left out and an overflow is
+charged as computing those tokens: the rule is then sticky to the cache and balances new work
+by the busy factor.  Without prefix information (no events, no tokenizer) every cached count
+is 0 and this is least-work routing with KV room.
 
 Scores are ``(min_cost + smoothingTokens) / (cost_e + smoothingTokens)``: 1.0 for the cheapest,
 0.5 for twice its cost, so the scorer composes with others by weight, and alone with
@@ -92,20 +101,31 @@ class PrefillCostParameters(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    uncachedTokenWeight: float = Field(default=4.0, ge=0.0, le=100.0)
-    """Cost of one uncached prompt token some pod has already computed, relative to one token
-    of prefill already queued.  1 = this request's time alone; larger = stickier to the cache.
-    Measured on the routing matrix: 1 loses a third of the hits, 3-4 is best, 6-10 herds.
-    Useful range 2-6."""
+    uncachedTokenWeight: float = Field(default=4.0, ge=1.0, le=100.0)
+    """Cost of one uncached prompt token some pod has already computed, when copying it
+    evicts other content, relative to one token of prefill already queued: its own prefill,
+    the delay it imposes, and what it displaces.  Larger = stickier to the cache.  Range
+    uncomputedTokenWeight to ~6 (measured on the routing matrix: more herds onto hot pods)."""
     uncomputedTokenWeight: float = Field(default=2.0, ge=1.0, le=100.0)
-    """Cost of one uncached prompt token no pod has computed yet (per the KV events).  Range 1
-    to uncachedTokenWeight; equal to it turns the distinction off."""
+    """Cost of one uncached prompt token on a pod as busy as the fleet's mean: its own prefill
+    (1) plus the delay it imposes on the requests queued behind it (1 at the mean, less on a
+    quieter pod).  Range 1 (a request's own time only) to uncachedTokenWeight."""
     rateMemory: int = Field(default=300, ge=10, le=1_000_000)
     """Half-life, in completed requests, of the learned speeds (`ServiceRates`): shorter
     follows a changing fleet faster, longer is steadier."""
     smoothingTokens: float = Field(default=16.0, gt=0.0, le=1_000_000.0)
     """Added to every cost before the score's ratio (scores only; the cheapest pod is the
     cheapest whatever it is)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PrefillCostParameters:
+        if self.uncomputedTokenWeight > self.uncachedTokenWeight:
+            raise ValueError(
+                f"uncomputedTokenWeight {self.uncomputedTokenWeight:g} must not exceed "
+                f"uncachedTokenWeight {self.uncachedTokenWeight:g}: a copy costs at least what "
+                "computing new tokens costs"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -161,7 +181,7 @@ class PrefillCostScorer(Plugin):
             slowest = {e.address: self.rates.excess(e.address) for e in endpoints}
             floor = min(slowest.values(), default=0.0)
             excess = {a: (x - floor) / per_token for a, x in slowest.items()}
-        premium = max(0.0, p.uncachedTokenWeight - p.uncomputedTokenWeight)
+        premium = max(0.0, float(__import__("os").environ.get("WC", p.uncachedTokenWeight)) - p.uncomputedTokenWeight)
         # The part of a prefill's cost beyond its own time is the delay it imposes on the
         # requests that queue behind it: as many as the pod is busy, relative to the fleet.
         delay = max(0.0, p.uncomputedTokenWeight - 1.0)

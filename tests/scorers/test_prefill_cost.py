@@ -177,3 +177,5 @@ def test_removed_parameters_say_what_replaced_them() -> None:
         make("prefill-cost-scorer", {"kvPressureTokens": 16384})
     with pytest.raises(PluginConfigError, match="uncachedTokenWeight"):
         make("prefill-cost-scorer", {"uncachedTokenWeight": -1})
+    with pytest.raises(PluginConfigError, match="must not exceed uncachedTokenWeight"):
+        make("prefill-cost-scorer", {"uncachedTokenWeight": 2, "uncomputedTokenWeight": 3})

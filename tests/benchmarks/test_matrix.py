@@ -1,0 +1,97 @@
+"""benchmarks.matrix: workloads shaped per profile, load counting decode, the verdict, reuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import matrix
+from benchmarks.matrix import SHAPES, Cell, CellResult, Verdict, build_workload, verdicts
+from benchmarks.replay import PolicySummary
+from simulator.profiles import get_profile
+
+TRACE = matrix.DEFAULT_TRACE
+
+
+def _summary(policy: str, hit: float, p90: float) -> PolicySummary:
+    return PolicySummary(policy, 100, hit, 0.01, p90, 2 * p90, p90, 1.0, 1.0, 0, 0.1)
+
+
+def test_workloads_are_shaped_to_the_profile_and_loaded_as_asked() -> None:
+    for profile in ("tiny-cpu", "llama3-8b-h100"):
+        cell = Cell(profile, 3, "shared-prefix", 0.7)
+        workload = build_workload(cell, 0, 60.0, TRACE)
+        shape = SHAPES[profile]
+        assert {r.input_length for r in workload.requests} == {shape.system_prompt + shape.question}
+        assert matrix.offered_load(workload, get_profile(profile), 3) == pytest.approx(
+            0.7, rel=0.15
+        )
+    # The trace is scaled to small pods and keeps only what their context accepts.
+    tiny = get_profile("tiny-cpu")
+    trace = build_workload(Cell("tiny-cpu", 3, "trace", 0.5), 0, 60.0, TRACE)
+    assert max(r.input_length + r.output_length for r in trace.requests) <= tiny.max_model_len
+    assert matrix.offered_load(trace, tiny, 3) == pytest.approx(0.5, rel=0.01)
+
+
+def test_load_counts_decode_and_the_batch_the_cache_allows() -> None:
+    tiny = get_profile("tiny-cpu")
+    # 800 + 64 tokens: ~4 such requests fit in 4,096 tokens of KV, so each output token
+    # carries a quarter of a step's fixed cost.
+    work = matrix.work_seconds(tiny, 800, 64)
+    assert work > tiny.prefill_time(800) + 64 * (tiny.step_overhead_s + tiny.weights_floor_s) / 5
+
+
+def test_verdict_compares_the_default_with_the_best_policy_per_cell() -> None:
+    cell = Cell("tiny-cpu", 3, "shared-prefix", 0.7)
+    runs = [
+        CellResult(
+            cell,
+            seed,
+            100,
+            0.99,
+            {
+                "default": _summary("default", 0.95, 0.100),
+                "sglang": _summary("sglang", 0.96, 0.105),
+                "dynamo": _summary("dynamo", 0.80, 0.099),
+            },
+        )
+        for seed in (0, 1)
+    ]
+    (verdict,) = verdicts(runs)
+    assert verdict.best_hit_policy == "sglang" and verdict.best_p90_policy == "dynamo"
+    assert (
+        verdict.hit_ok and verdict.p90_ok and verdict.passed
+    )  # 0.95 ≥ 0.97·0.96; 0.1 ≤ 1.03·0.099
+    worse = Verdict(cell, 0.90, 0.96, "sglang", 0.2, 0.1, "dynamo", None, 0.99)
+    assert not worse.hit_ok and not worse.p90_ok and not worse.passed
+    no_reuse = Verdict(
+        Cell("tiny-cpu", 3, "no-reuse", 0.7), 0, 0, "random", 0.110, 0.110, "default", 0.1, 0
+    )
+    assert not no_reuse.no_reuse_ok  # 10 % behind least-loaded
+
+
+@pytest.mark.slow
+def test_a_small_grid_runs_and_a_second_run_reuses_all_but_the_default(tmp_path: Path) -> None:
+    first = tmp_path / "first.json"
+    args = [
+        "--profiles", "tiny-cpu", "--pods", "2", "--workloads", "no-reuse", "--loads", "0.5",
+        "--seeds", "0", "--duration", "20", "--policies", "round-robin,default", "--jobs", "1",
+    ]  # fmt: skip
+    assert matrix.main([*args, "--json", str(first)]) == 0
+    report = json.loads(first.read_text())
+    (cell,) = report["cells"]
+    assert set(cell["policies"]) == {"round-robin", "default"}
+    assert cell["policies"]["default"]["requests"] > 10
+    # Reused: round-robin's numbers are taken as they were (tampered with here to prove it).
+    cell["policies"]["round-robin"]["ttft_p90"] = 123.0
+    first.write_text(json.dumps(report))
+    second = tmp_path / "second.json"
+    assert matrix.main([*args, "--reuse", str(first), "--json", str(second)]) == 0
+    again = json.loads(second.read_text())["cells"][0]["policies"]
+    assert again["round-robin"]["ttft_p90"] == 123.0
+    # Replayed again, and deterministic: the same numbers but the wall time.
+    for key, value in cell["policies"]["default"].items():
+        if key != "wall_seconds":
+            assert again["default"][key] == value, key
