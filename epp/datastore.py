@@ -101,7 +101,15 @@ class InFlightRequest:
     (pod deleted and re-created at the same address) never touches the new endpoint's counts.
     """
 
-    __slots__ = ("_clock", "_load", "_prefill_pending", "address", "finished", "prefill_tokens")
+    __slots__ = (
+        "_clock",
+        "_fleet",
+        "_load",
+        "_prefill_pending",
+        "address",
+        "finished",
+        "prefill_tokens",
+    )
 
     def __init__(
         self,
@@ -109,15 +117,20 @@ class InFlightRequest:
         load: EndpointLoad,
         prefill_tokens: int,
         clock: Callable[[], float] = time.monotonic,
+        fleet: EndpointLoad | None = None,
     ) -> None:
         self.address = address
         self.prefill_tokens = max(0, int(prefill_tokens))
         self.finished = False
         self._load = load
+        self._fleet = fleet if fleet is not None else EndpointLoad()
         self._clock = clock
         self._prefill_pending = True
-        load.advance_area(clock())
+        now = clock()
+        load.advance_area(now)
+        self._fleet.advance_area(now)
         load.in_flight_requests += 1
+        self._fleet.in_flight_requests += 1
         load.in_flight_prefill_tokens += self.prefill_tokens
         load.in_flight_kv_tokens += self.prefill_tokens
         load.kv_tokens_since_scrape += self.prefill_tokens
@@ -141,15 +154,21 @@ class InFlightRequest:
             return
         self.first_token()
         self.finished = True
-        load = self._load
-        load.advance_area(self._clock())
+        load, fleet = self._load, self._fleet
+        now = self._clock()
+        load.advance_area(now)
+        fleet.advance_area(now)
         load.in_flight_requests = max(0, load.in_flight_requests - 1)
+        fleet.in_flight_requests = max(0, fleet.in_flight_requests - 1)
         load.in_flight_kv_tokens = max(0, load.in_flight_kv_tokens - self.prefill_tokens)
         load.kv_tokens_since_scrape -= self.prefill_tokens
 
-    def in_flight_area(self) -> float:
-        """The endpoint's ∫ in-flight count dt up to now (`EndpointLoad.in_flight_area`)."""
-        return self._load.advance_area(self._clock())
+    def in_flight_area(self) -> tuple[float, float]:
+        """∫ in-flight count dt up to now on the endpoint and over the whole pool
+        (`EndpointLoad.in_flight_area`): over an interval, their differences give the time
+        averages of the requests running there and everywhere."""
+        now = self._clock()
+        return self._load.advance_area(now), self._fleet.advance_area(now)
 
     def __enter__(self) -> InFlightRequest:
         return self
@@ -183,6 +202,9 @@ class Datastore:
         self._synced = False
         self._synced_event = asyncio.Event()
         self._unreachable: dict[str, str] = {}  # address → why (for logs and debugging)
+        self.pool_load = EndpointLoad()
+        """Requests in flight over every endpoint, with their time integral (written by the
+        `InFlightRequest` handles)."""
         self._alive_at: dict[str, float] = {}  # address → clock time of its last sign of life
         # Counters for telemetry (read them, do not write them).
         self.unreachable_marks: dict[str, int] = {}
@@ -418,8 +440,9 @@ class Datastore:
         cache.  Call `InFlightRequest.first_token` / `finish` on the handle as the response
         progresses.  An unknown address gets a detached handle that counts nothing."""
         ep = self._endpoints.get(address)
-        load = ep.load if ep is not None else EndpointLoad()
-        return InFlightRequest(address, load, prefill_tokens, self.clock)
+        if ep is None:
+            return InFlightRequest(address, EndpointLoad(), prefill_tokens, self.clock)
+        return InFlightRequest(address, ep.load, prefill_tokens, self.clock, self.pool_load)
 
     # -- pool gauges ----------------------------------------------------------------------------
 

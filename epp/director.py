@@ -178,7 +178,7 @@ class Director:
         if timing is not None:
             timing.first_byte_at = self.datastore.clock()
             if decision.in_flight is not None:
-                timing.in_flight_area_at_first_byte = decision.in_flight.in_flight_area()
+                timing.in_flight_areas_at_first_byte = decision.in_flight.in_flight_area()
         if decision.in_flight is not None:
             decision.in_flight.first_token()
         if logger.isEnabledFor(logging.DEBUG):
@@ -227,9 +227,11 @@ class Director:
             return
         now = self.datastore.clock()
         timing.finished_at = now
-        first, area = timing.first_byte_at, timing.in_flight_area_at_first_byte
-        if first is not None and area is not None and now > first:
-            timing.running_while_decoding = (in_flight.in_flight_area() - area) / (now - first)
+        first, areas = timing.first_byte_at, timing.in_flight_areas_at_first_byte
+        if first is not None and areas is not None and now > first:
+            own, pool = in_flight.in_flight_area()
+            timing.running_while_decoding = (own - areas[0]) / (now - first)
+            timing.pool_running_while_decoding = (pool - areas[1]) / (now - first)
 
     def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
         model = request.model if request is not None else ""

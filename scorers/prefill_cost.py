@@ -181,7 +181,7 @@ class PrefillCostScorer(Plugin):
             slowest = {e.address: self.rates.excess(e.address) for e in endpoints}
             floor = min(slowest.values(), default=0.0)
             excess = {a: (x - floor) / per_token for a, x in slowest.items()}
-        premium = max(0.0, float(__import__("os").environ.get("WC", p.uncachedTokenWeight)) - p.uncomputedTokenWeight)
+        premium = max(0.0, p.uncachedTokenWeight - p.uncomputedTokenWeight)
         # The part of a prefill's cost beyond its own time is the delay it imposes on the
         # requests that queue behind it: as many as the pod is busy, relative to the fleet.
         delay = max(0.0, p.uncomputedTokenWeight - 1.0)
@@ -196,11 +196,12 @@ class PrefillCostScorer(Plugin):
             uncached = max(0, total - held)
             # Without the fleet-wide fact every uncached token is a copy of someone's blocks.
             copied = uncached if computed is None else max(0, min(total, computed) - held)
-            evicting = copied - self._free_room(endpoint, held_anything)
             load = endpoint.load
+            evicting = copied - self._free_room(endpoint, held_anything)
+            busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
             costs[address] = (
-                (1.0 + delay * min(1.0, load.in_flight_requests / mean_in_flight)) * uncached
+                (1.0 + delay * busy) * uncached
                 + premium * max(0, evicting)
                 + queued
                 + per_request * load.in_flight_requests

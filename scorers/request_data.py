@@ -75,7 +75,9 @@ class ResponseTiming:
     running_while_decoding: float | None = None
     """Time average of the requests in flight on its endpoint (itself included) from its first
     byte to its end: the batch its decode steps ran in."""
-    in_flight_area_at_first_byte: float | None = None
+    pool_running_while_decoding: float | None = None
+    """The same over the whole pool: what the machines shared by several pods were busy with."""
+    in_flight_areas_at_first_byte: tuple[float, float] | None = None
 
 
 def record_prefix_matches(request: LLMRequest, matches: Mapping[str, int]) -> None:
