@@ -6,10 +6,10 @@ the same defaults hold from a 4k-token CPU pod to a 400k-token H100.
 
 Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
 
-    cost_e = (1 + (uncomputedTokenWeight − 1) · busy_e) · uncached_e
+    cost_e = slow_e · ( (1 + (uncomputedTokenWeight − 1) · busy_e) · uncached_e
+                      + queued_e + 3 (s / p) · in_flight_e
+                      + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight) · (copied_e − free_e)⁺
-           + queued_e + 3 (s / p) · in_flight_e + excess_e / p
-           + wait_e / p                 (the request does not fit in e's KV cache)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
   entries for requests just routed there).  Each costs its own prefill (1) and the delay it
@@ -28,8 +28,10 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   token waits about 1.5 steps, and while it runs the request lengthens the steps of as many
   later arrivals (Little's law): 3 steps' worth in all.  A CPU pod's step grows ~1 ms per
   sequence against ~10 µs per prefill token; an H100's ~0.2 ms against ~30 µs.
-* ``excess_e``: how much slower than that model ``e``'s recent first tokens were, against the
-  fastest pod (an overloaded pod, slower hardware, a noisy neighbour).
+* ``slow_e``: how many times slower than that model ``e``'s recent first tokens were, against
+  the fastest pod (slower hardware, a noisy neighbour): it scales the time ``e`` would take,
+  not the eviction, which is paid by other requests later.  A factor rather than a price, so a
+  pod holding the whole prompt stays the cheap choice unless it is many times slower.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
@@ -42,7 +44,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
 
 Before the speeds are learned (the first ~24 completed requests), or when they cannot be (the
 responses are not streamed, or prefill does not show in the first tokens at all: a machine
-whose CPU contention dwarfs it), the in-flight and excess terms are left out and an overflow is
+whose CPU contention dwarfs it), the in-flight term and the slowness are left out and an overflow is
 charged as computing those tokens: the rule is then sticky to the cache and balances new work
 by the busy factor.  Without prefix information (no events, no tokenizer) every cached count
 is 0 and this is least-work routing with KV room.
@@ -163,6 +165,14 @@ class PrefillCostScorer(Plugin):
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
         and tests)."""
+        return {a: sum(terms) for a, terms in self.cost_terms(request, endpoints).items()}
+
+    def cost_terms(
+        self, request: LLMRequest, endpoints: Sequence[Endpoint]
+    ) -> dict[str, tuple[float, float, float, float, float, float]]:
+        """The cost's terms per candidate, in the module docstring's order: uncached prefill
+        with its delay, eviction premium, queued prefill, requests in flight, what the pod's
+        slowness adds to those, KV wait (the debug log prints them: why a pod won)."""
         p = self.p
         rates = self.rates.rates()
         total = request.prompt_tokens
@@ -170,7 +180,7 @@ class PrefillCostScorer(Plugin):
         computed: int | None = request.data.get(PREFIX_COMPUTED_TOKENS)
         held_anything: Mapping[str, int] | None = request.data.get(KV_CACHED_TOKENS)
         per_request = 0.0
-        excess: dict[str, float] = {}
+        slow: dict[str, float] = {}
         if rates is not None:
             per_token = rates.prefill_s_per_token
             # A first token waits about 1.5 steps (the rest of the step under way, then its
@@ -178,9 +188,9 @@ class PrefillCostScorer(Plugin):
             # lengthens by s the steps of everyone who arrives there meanwhile: as many (Little's
             # law) as are running now.  Its own delay plus the one it imposes: 3 s per request.
             per_request = 3.0 * rates.in_flight_s_per_request / per_token
-            slowest = {e.address: self.rates.excess(e.address) for e in endpoints}
-            floor = min(slowest.values(), default=0.0)
-            excess = {a: (x - floor) / per_token for a, x in slowest.items()}
+            factors = {e.address: self.rates.slowness(e.address) for e in endpoints}
+            fastest = min(factors.values(), default=1.0)
+            slow = {a: f / fastest for a, f in factors.items()}
         premium = max(0.0, p.uncachedTokenWeight - p.uncomputedTokenWeight)
         # The part of a prefill's cost beyond its own time is the delay it imposes on the
         # requests that queue behind it: as many as the pod is busy, relative to the fleet.
@@ -189,7 +199,7 @@ class PrefillCostScorer(Plugin):
             1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
         )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
-        costs: dict[str, float] = {}
+        costs: dict[str, tuple[float, float, float, float, float, float]] = {}
         for endpoint in endpoints:
             address = endpoint.address
             held = cached.get(address, 0)
@@ -200,13 +210,19 @@ class PrefillCostScorer(Plugin):
             evicting = copied - self._free_room(endpoint, held_anything)
             busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
+            own = (
+                (1.0 + delay * busy) * uncached,
+                queued,
+                per_request * load.in_flight_requests,
+                self._kv_wait(endpoint, uncached, footprint, rates),
+            )
             costs[address] = (
-                (1.0 + delay * busy) * uncached
-                + premium * max(0, evicting)
-                + queued
-                + per_request * load.in_flight_requests
-                + excess.get(address, 0.0)
-                + self._kv_wait(endpoint, uncached, footprint, rates)
+                own[0],
+                premium * max(0, evicting),
+                own[1],
+                own[2],
+                (slow.get(address, 1.0) - 1.0) * sum(own),
+                own[3],
             )
         return costs
 
@@ -253,14 +269,17 @@ class PrefillCostScorer(Plugin):
         return share * rates.decode_s / rates.prefill_s_per_token
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        costs = self.costs(request, endpoints)
-        if not costs:
+        terms = self.cost_terms(request, endpoints)
+        if not terms:
             return {}
+        costs = {a: sum(t) for a, t in terms.items()}
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "request %s: costs %s; in flight %s; rates %s",
+                "request %s: costs %s (prefill, eviction, queued, in flight, slowness, KV wait "
+                "%s); in flight %s; rates %s",
                 request.request_id,
                 {a: round(c) for a, c in costs.items()},
+                {a: tuple(round(x) for x in t) for a, t in terms.items()},
                 {e.address: e.load.in_flight_requests for e in endpoints},
                 self.rates.rates(),
             )

@@ -22,9 +22,11 @@ included, and how many requests were in flight there.  From those:
   requests to escape a slowdown that follows them everywhere.  On independent pods ``c`` is
   about 0 and ``s`` is the same either way;
 * **decode time** and **answer length**: exponentially weighted means;
-* **per pod**: how much slower than this model each pod's recent first tokens were (an
-  exponentially weighted mean of the residual): a pod that is overloaded, or slower hardware, or
-  sharing its machine, shows it here before anything else.
+* **per pod**: how many times slower than this model each pod's recent first tokens were (an
+  exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
+  machine with a noisy neighbour, shows it here.  A ratio, not a difference in seconds, so that a
+  pod's slowness scales the work it would do rather than adds a fixed price to it: a pod that
+  holds a whole prompt stays cheap even when it is somewhat slow.
 
 Estimates are pooled over the fleet's pods and are None until enough requests were seen, so a
 cost that needs them can fall back to tokens alone.  Plain data in, plain numbers out: no
@@ -39,7 +41,10 @@ from dataclasses import dataclass
 _QUANTILE = 0.2
 _QUANTILE_STEP = 0.05  # multiplicative step of the quantile tracker (log space)
 _MIN_BIN_SAMPLES = 4.0
-_POD_MEMORY = 32  # requests: half-life of a pod's excess
+_POD_MEMORY = 32  # requests: half-life of a pod's slowness
+# One first token can be far off the model (a stall, a timer): bound each sample's log ratio so
+# that one outlier moves a pod's slowness by at most e^(±2 / _POD_MEMORY).
+_MAX_LOG_RATIO = 2.0
 # The fitted TTFT over the work seen must rise by this share of its floor before the slope is
 # trusted, and may fall to the second share before it is distrusted again: a band, so that a
 # rise that hovers near the threshold does not switch the prices on and off from one request to
@@ -99,7 +104,7 @@ class ServiceRates:
         self._xy = [0.0] * 3
         self._decode: float | None = None
         self._output: float | None = None
-        self._excess: dict[str, float] = {}
+        self._log_slowness: dict[str, float] = {}
 
     def observe(
         self,
@@ -138,8 +143,11 @@ class ServiceRates:
         rates = self.rates()
         if endpoint is not None and rates is not None:
             predicted = self.predict_ttft(rates, work_tokens, in_flight)
-            old = self._excess.get(endpoint, 0.0)
-            self._excess[endpoint] = old + (ttft_s - predicted - old) / _POD_MEMORY
+            if predicted > 0:
+                ratio = math.log(ttft_s / predicted)
+                ratio = min(_MAX_LOG_RATIO, max(-_MAX_LOG_RATIO, ratio))
+                old = self._log_slowness.get(endpoint, 0.0)
+                self._log_slowness[endpoint] = old + (ratio - old) / _POD_MEMORY
 
     def _ewma(self, current: float | None, value: float) -> float:
         return value if current is None else current + self._weight * (value - current)
@@ -249,10 +257,10 @@ class ServiceRates:
             + rates.in_flight_s_per_request * in_flight
         )
 
-    def excess(self, endpoint: str) -> float:
-        """How much slower than the model this pod's recent first tokens were (seconds; can be
-        negative for a pod faster than the fleet)."""
-        return self._excess.get(endpoint, 0.0)
+    def slowness(self, endpoint: str) -> float:
+        """How many times slower than the model this pod's recent first tokens were (below 1
+        for a pod faster than the fleet's model; 1 for a pod not seen yet)."""
+        return math.exp(self._log_slowness.get(endpoint, 0.0))
 
     def forget(self, endpoint: str) -> None:
-        self._excess.pop(endpoint, None)
+        self._log_slowness.pop(endpoint, None)

@@ -55,6 +55,7 @@ DEFAULT_ROUTERS = (
     "epp:gie-approx",
     "epp:sglang",
     "epp:dynamo",
+    "epp:ray",
     "epp:round-robin",
     "sglang-router",
 )

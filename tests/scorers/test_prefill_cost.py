@@ -137,14 +137,17 @@ def test_without_prefix_information_it_is_least_work_routing() -> None:
     assert best(scorer.score(request(prompt="word " * 400), eps)) == "c"
 
 
-def _complete(scorer: object, rng: random.Random, endpoint: Endpoint, work: int) -> None:
-    """One request through the scorer's learning hooks, as the director drives them."""
+def _complete(
+    scorer: object, rng: random.Random, endpoint: Endpoint, work: int, slower: float = 1.0
+) -> None:
+    """One request through the scorer's learning hooks, as the director drives them; on a pod
+    ``slower`` times slower than the model."""
     req = prompt(work)
     req.request_id = f"r{rng.random()}"
     endpoint.load.in_flight_requests = rng.randint(0, 20)
     scorer.pre_request(req, result_for(endpoint))  # type: ignore[attr-defined]
     running = endpoint.load.in_flight_requests + 1
-    ttft = 0.01 + 30e-6 * work + 5e-4 * running
+    ttft = (0.01 + 30e-6 * work + 5e-4 * running) * slower
     itl = 0.008 + 5e-4 * running
     req.data[RESPONSE_TIMING] = ResponseTiming(
         routed_at=0.0,
@@ -168,6 +171,28 @@ def test_in_flight_requests_cost_what_the_pods_measured() -> None:
     per_request = scorer.costs(prompt(100), [ep("x", in_flight=10)])["x"] - 4 * 100
     assert per_request == pytest.approx(10 * 3 * 5e-4 / rates.prefill_s_per_token, rel=0.01)
     assert 30 * 10 < per_request < 80 * 10
+
+
+def test_a_slow_pod_gets_less_new_work_but_keeps_the_prompts_it_holds() -> None:
+    scorer = make("prefill-cost-scorer")
+    rng = random.Random(1)
+    fast, slow = ep("fast"), ep("slow")
+    for _ in range(300):
+        _complete(scorer, rng, fast, rng.choice((100, 500, 2000, 6000)))
+        _complete(scorer, rng, slow, rng.choice((100, 500, 2000, 6000)), slower=2.0)
+    ratio = scorer.rates.slowness("slow") / scorer.rates.slowness("fast")
+    assert 1.6 < ratio < 2.4
+    fast.load.in_flight_requests = slow.load.in_flight_requests = 1
+    # New work: the slow pod's own time is about doubled; the eviction premium (no KV facts:
+    # every token a copy that evicts) is the same on both.
+    terms = scorer.cost_terms(prompt(2000), [fast, slow])
+    assert terms["fast"][4] == 0.0
+    own_fast = sum(terms["fast"]) - terms["fast"][1]
+    assert terms["slow"][4] == pytest.approx(own_fast * (ratio - 1.0), rel=0.01)
+    assert terms["slow"][1] == terms["fast"][1] > 0
+    assert best(scorer.score(prompt(2000), [fast, slow])) == "fast"
+    # A prompt the slow pod holds whole stays there: slowness scales its small remaining work.
+    assert best(scorer.score(prompt(2000, {"slow": 1984}), [fast, slow])) == "slow"
 
 
 def test_removed_parameters_say_what_replaced_them() -> None:

@@ -64,14 +64,16 @@ def test_nothing_is_learned_before_enough_requests_or_when_prefill_does_not_show
     assert flat.rates() is None
 
 
-def test_a_slower_pod_shows_an_excess() -> None:
+def test_a_slower_pod_shows_its_slowness_as_a_factor() -> None:
     rates = ServiceRates()
     rng = random.Random(4)
-    _feed(rates, rng, 400, fixed=0.02, per_token=30e-6, per_request=1e-4, endpoint="fast")
-    _feed(rates, rng, 200, fixed=0.02, per_token=60e-6, per_request=1e-4, endpoint="slow")
-    assert rates.excess("slow") > rates.excess("fast") + 0.01
+    for _ in range(200):  # the pods serve side by side
+        _feed(rates, rng, 2, fixed=0.02, per_token=30e-6, per_request=1e-4, endpoint="fast")
+        _feed(rates, rng, 1, fixed=0.02, per_token=60e-6, per_request=1e-4, endpoint="slow")
+    # Twice the prefill time per token: its first tokens take about 1.5-2 × the fast pod's.
+    assert 1.4 < rates.slowness("slow") / rates.slowness("fast") < 2.2
     rates.forget("slow")
-    assert rates.excess("slow") == 0.0
+    assert rates.slowness("slow") == 1.0
 
 
 def test_bad_samples_are_ignored() -> None:
