@@ -120,6 +120,7 @@ def render_envoy_config(
     message_timeout_s: float = 60.0,
     route_timeout_s: float = 3600.0,
     connect_timeout_s: float = 5.0,
+    upstream_idle_timeout_s: float = 4.0,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     extproc_tls: bool = False,
     extproc_ca_file: str | None = None,
@@ -143,6 +144,12 @@ def render_envoy_config(
 
     ``message_timeout_s``: how long Envoy waits for each EPP reply.  Scheduling can include
     tokenizing a long prompt and queueing in flow control, so it is generous.
+
+    ``upstream_idle_timeout_s``: Envoy closes a connection to a pod after this long unused.  It
+    must be shorter than the model server's own keep-alive (vLLM closes idle connections after
+    5 s, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): otherwise Envoy can send a request on a connection
+    the server is closing at that instant and the client gets a 503 "upstream connect error ...
+    connection termination" (seen on real vLLM, about 1 request in 250).
 
     ``extproc_tls`` / ``extproc_ca_file`` / ``extproc_sni``: TLS to the EPP (module docstring).
     ``extproc_endpoints``: the EPP replicas as (host, port), instead of ``extproc_host`` /
@@ -340,6 +347,16 @@ def render_envoy_config(
                     "type": "ORIGINAL_DST",
                     "connect_timeout": _seconds(connect_timeout_s),
                     "lb_policy": "CLUSTER_PROVIDED",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                            "HttpProtocolOptions",
+                            "common_http_protocol_options": {
+                                "idle_timeout": _seconds(upstream_idle_timeout_s)
+                            },
+                            "explicit_http_config": {"http_protocol_options": {}},
+                        }
+                    },
                     # The Inference Extension's values: the EPP, not Envoy, limits concurrency.
                     "circuit_breakers": {
                         "thresholds": [

@@ -541,6 +541,7 @@ def test_envoy_config_is_the_one_epp_envoy_bootstrap_renders(
             message_timeout_s=envoy["messageTimeoutSeconds"],
             route_timeout_s=envoy["routeTimeoutSeconds"],
             connect_timeout_s=envoy["connectTimeoutSeconds"],
+            upstream_idle_timeout_s=envoy["upstreamIdleTimeoutSeconds"],
             max_request_body_bytes=values["maxBodyBytes"],
             extproc_tls=values["tls"]["enabled"],
             extproc_health_check_interval_s=envoy["extProcHealthCheckIntervalSeconds"],

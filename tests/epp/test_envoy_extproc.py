@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from epp.envoy_bootstrap import EnvoyNotInstalledError, envoy_binary, render_envoy_config
 from epp.extproc import ExtProcServer, RoutingDecision, start_extproc_server
@@ -215,6 +216,17 @@ def test_rendered_config_passes_envoy_validation(mode: Any, tmp_path: Path) -> N
     result = validate_config(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_connections_to_pods_close_before_the_model_servers_keep_alive_does() -> None:
+    # vLLM (uvicorn) closes an idle connection after 5 s; Envoy reusing one at that instant
+    # answers 503 "connection termination" (seen on real vLLM in the real-fleet benchmark).
+    config = yaml.safe_load(render_envoy_config(listen_port=1, extproc_port=2, admin_port=3))
+    pods = next(c for c in config["static_resources"]["clusters"] if c["type"] == "ORIGINAL_DST")
+    options = pods["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert options["common_http_protocol_options"]["idle_timeout"] == "4s"
 
 
 def test_missing_envoy_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -132,6 +132,15 @@ static_resources:
       type: ORIGINAL_DST
       connect_timeout: {{ $e.connectTimeoutSeconds }}s
       lb_policy: CLUSTER_PROVIDED
+      # Close idle connections to a pod before vLLM does (its keep-alive is 5 s): a request
+      # sent on a connection the server is closing fails with a 503.
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          common_http_protocol_options:
+            idle_timeout: {{ $e.upstreamIdleTimeoutSeconds }}s
+          explicit_http_config:
+            http_protocol_options: {}
       # The EPP, not Envoy, limits concurrency.
       circuit_breakers:
         thresholds:
