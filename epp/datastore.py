@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STALENESS_THRESHOLD = 0.2  # seconds; the utilization detector's "stale = saturated" bound
 DEFAULT_POOL_GAUGE_MAX_AGE = 2.0  # seconds; --metrics-staleness-threshold for pool gauges
+# The slowest recent first byte of an endpoint decays by this factor per first byte it sends,
+# so one slow moment is forgotten after a few dozen requests.
+_SLOWEST_FIRST_BYTE_DECAY = 0.97
 
 
 @dataclass(slots=True, frozen=True)
@@ -206,6 +209,8 @@ class Datastore:
         """Requests in flight over every endpoint, with their time integral (written by the
         `InFlightRequest` handles)."""
         self._alive_at: dict[str, float] = {}  # address → clock time of its last sign of life
+        # address → slowest recent wait from decision to first byte, decaying per first byte.
+        self._slowest_first_byte: dict[str, float] = {}
         # Counters for telemetry (read them, do not write them).
         self.unreachable_marks: dict[str, int] = {}
         """Times an endpoint went from reachable to unreachable, by reason category."""
@@ -329,6 +334,7 @@ class Datastore:
         self._specs.pop(address, None)
         self._unreachable.pop(address, None)
         self._alive_at.pop(address, None)
+        self._slowest_first_byte.pop(address, None)
         ep = self._endpoints.pop(address, None)
         if ep is not None:
             self._notify("endpoint_removed", ep)
@@ -387,6 +393,23 @@ class Datastore:
         sent a response byte, answered an HTTP request): evidence against marking it dead."""
         if address in self._endpoints:
             self._alive_at[address] = self.clock()
+
+    def saw_first_byte(self, address: str, waited: float) -> None:
+        """A request routed to ``address`` got its first response byte ``waited`` seconds after
+        the decision: how long that pod can take to say anything while it prefills."""
+        if address in self._endpoints and waited >= 0:
+            old = self._slowest_first_byte.get(address, 0.0)
+            self._slowest_first_byte[address] = max(waited, old * _SLOWEST_FIRST_BYTE_DECAY)
+
+    def expected_silence(self, address: str) -> float:
+        """How long ``address`` may be expected to stay silent now: while prefill routed there
+        has not produced its first byte, as long as its slowest recent first byte took (an
+        engine step of a long prefill on a starved machine can leave even its ``/metrics``
+        unanswered); 0 when nothing is waiting there."""
+        ep = self._endpoints.get(address)
+        if ep is None or ep.load.in_flight_prefill_tokens <= 0:
+            return 0.0
+        return self._slowest_first_byte.get(address, 0.0)
 
     def alive_within(self, address: str, seconds: float) -> bool:
         """Whether the endpoint showed a sign of life in the last ``seconds``."""

@@ -177,6 +177,10 @@ class Director:
         timing: ResponseTiming | None = decision.request.data.get(RESPONSE_TIMING)
         if timing is not None:
             timing.first_byte_at = self.datastore.clock()
+            if decision.targets:
+                self.datastore.saw_first_byte(
+                    decision.targets[0], timing.first_byte_at - timing.routed_at
+                )
             if decision.in_flight is not None:
                 timing.in_flight_areas_at_first_byte = decision.in_flight.in_flight_area()
         if decision.in_flight is not None:

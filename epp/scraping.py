@@ -30,7 +30,8 @@ from candidates, only when
 * its scrapes go unanswered and the pod shows no sign of life — no KV-event batch, no response
   byte of a request routed there, no HTTP answer (`Datastore.saw_alive`) — for
   ``failure_threshold`` periods in a row of ``unreachable_after`` seconds each (or of three
-  times the slowest recent answer, whichever is longer).  That is a hung pod (SIGSTOP, a wedged
+  times the slowest recent answer, or, while prefill routed there waits for its first byte,
+  the pod's slowest recent first byte: whichever is longest).  That is a hung pod (SIGSTOP, a wedged
   process whose kernel still accepts connections): 3 × 1 s by default.  One silent second is
   not enough: on a 2-core machine running three vLLM servers at a load average of 17, an idle
   server's ``/metrics`` once took just over a second to answer.
@@ -484,7 +485,11 @@ class MetricsScraper:
 
     def _watch(self, address: str, status: ScrapeStatus, started: float) -> _Watchdog:
         assert self.unreachable_after is not None
-        patience = max(self.unreachable_after, _SLOW_ANSWER_MARGIN * status.slowest_recent)
+        patience = max(
+            self.unreachable_after,
+            _SLOW_ANSWER_MARGIN * status.slowest_recent,
+            self.datastore.expected_silence(address),
+        )
         return _Watchdog(self, address, status, patience, started)
 
     def _mark_unreachable(self, address: str, reason: str, category: str) -> None:

@@ -143,6 +143,36 @@ async def test_a_busy_endpoint_answering_late_stays_routable(pod: FakeVllm) -> N
         pod.delay = 0.0
 
 
+@pytest.mark.parametrize("prefilling", [True, False])
+async def test_a_pod_prefilling_is_given_as_long_as_its_slowest_first_byte(
+    pod: FakeVllm, prefilling: bool
+) -> None:
+    """On real vLLM-CPU one engine step of a long prefill on a starved machine left /metrics
+    unanswered for 3 s with no other sign of life.  A pod with prefill in flight whose recent
+    first bytes took that long may stay silent that long; with nothing waiting there, the same
+    silence is a hang."""
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(
+        ds, interval=0.02, timeout=10.0, failure_threshold=3, unreachable_after=0.1
+    )
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.status[pod.address].successes >= 3)
+        ds.saw_first_byte(pod.address, 0.5)  # an earlier request's first byte took 0.5 s
+        if prefilling:
+            ds.request_started(pod.address, prefill_tokens=1352)
+        assert ds.expected_silence(pod.address) == (0.5 if prefilling else 0.0)
+        await asyncio.sleep(0.1)  # the next scrape starts in that state
+        pod.delay = 1.2  # silent for 1.2 s: 12 periods of 0.1 s, fewer than 3 of 0.5 s
+        await asyncio.sleep(0.9)  # (checked before the late answer makes it reachable again)
+        assert ds.is_reachable(pod.address) == prefilling
+        assert ds.unreachable_marks_total == (0 if prefilling else 1)
+    finally:
+        await scraper.stop()
+        pod.delay = 0.0
+
+
 async def test_an_endpoint_that_always_answers_slowly_is_given_time(pod: FakeVllm) -> None:
     """On a loaded machine every answer is slow: the wait before silence counts grows with
     the endpoint's slowest recent answer, so steady 0.3 s answers are not taken for a hang."""
