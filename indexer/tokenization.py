@@ -82,6 +82,12 @@ from indexer.errors import TokenizationError
 
 logger = logging.getLogger(__name__)
 
+# transformers warns at import that PyTorch is missing and models will not load: true and
+# irrelevant here (only its tokenizers and chat templates are used), and it is the first thing a
+# user of `epp serve` read.  The variable silences transformers' advisory warnings only; a user
+# who sets it to something else keeps their choice.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 ContentFormat = Literal["string", "openai"]
 ContentFormatOption = Literal["auto", "string", "openai"]
 

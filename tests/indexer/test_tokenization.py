@@ -6,6 +6,8 @@ import copy
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -726,3 +728,20 @@ def test_cache_knobs_fail_with_the_value_and_the_range(llama3_hf: Any) -> None:
         PromptTokenizer(llama3_hf, cache_max_tokens=1.5)  # type: ignore[arg-type]
     with pytest.raises(TokenizationError, match="verify_every must be >= 0"):
         PromptTokenizer(llama3_hf, verify_every=-2)
+
+
+def test_loading_a_tokenizer_does_not_print_transformers_pytorch_advice(
+    llama3_tokenizer_dir: Path,
+) -> None:
+    """`epp serve` runs without PyTorch on purpose: transformers' "PyTorch was not found" advice
+    is noise there, and used to be the first line a user read."""
+    code = (
+        "from indexer.tokenization import load_hf_tokenizer; "
+        f"load_hf_tokenizer({str(llama3_tokenizer_dir)!r})"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "PyTorch was not found" not in run.stderr + run.stdout
