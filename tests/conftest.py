@@ -1,23 +1,21 @@
-"""Shared fixtures: the read-only `shared/` folder that sits beside the project (also in CI)."""
+"""Shared fixtures: vLLM's golden hash and KV-event vectors (`tests/data`), the Llama-3 tokenizer."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DIR = Path(os.environ.get("EPP_SHARED_DIR", PROJECT_ROOT.parent / "shared"))
-VECTORS_FILE = SHARED_DIR / "vectors" / "vllm-0.33-hashes-and-events.json"
+VECTORS_FILE = PROJECT_ROOT / "tests" / "data" / "vllm-0.33-hashes-and-events.json"
 
 
 def load_vectors() -> dict[str, Any]:
     if not VECTORS_FILE.is_file():
         raise FileNotFoundError(
-            f"golden vectors not found at {VECTORS_FILE}; set EPP_SHARED_DIR to the shared/ folder"
+            f"golden vectors not found at {VECTORS_FILE} (they ship with the repository)"
         )
     data: dict[str, Any] = json.loads(VECTORS_FILE.read_text())
     return data
