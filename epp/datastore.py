@@ -106,8 +106,8 @@ class InFlightRequest:
 
     __slots__ = (
         "_clock",
-        "_fleet",
         "_load",
+        "_pool",
         "_prefill_pending",
         "address",
         "finished",
@@ -120,20 +120,20 @@ class InFlightRequest:
         load: EndpointLoad,
         prefill_tokens: int,
         clock: Callable[[], float] = time.monotonic,
-        fleet: EndpointLoad | None = None,
+        pool: EndpointLoad | None = None,
     ) -> None:
         self.address = address
         self.prefill_tokens = max(0, int(prefill_tokens))
         self.finished = False
         self._load = load
-        self._fleet = fleet if fleet is not None else EndpointLoad()
+        self._pool = pool if pool is not None else EndpointLoad()
         self._clock = clock
         self._prefill_pending = True
         now = clock()
         load.advance_area(now)
-        self._fleet.advance_area(now)
+        self._pool.advance_area(now)
         load.in_flight_requests += 1
-        self._fleet.in_flight_requests += 1
+        self._pool.in_flight_requests += 1
         load.in_flight_prefill_tokens += self.prefill_tokens
         load.in_flight_kv_tokens += self.prefill_tokens
         load.kv_tokens_since_scrape += self.prefill_tokens
@@ -157,12 +157,12 @@ class InFlightRequest:
             return
         self.first_token()
         self.finished = True
-        load, fleet = self._load, self._fleet
+        load, pool = self._load, self._pool
         now = self._clock()
         load.advance_area(now)
-        fleet.advance_area(now)
+        pool.advance_area(now)
         load.in_flight_requests = max(0, load.in_flight_requests - 1)
-        fleet.in_flight_requests = max(0, fleet.in_flight_requests - 1)
+        pool.in_flight_requests = max(0, pool.in_flight_requests - 1)
         load.in_flight_kv_tokens = max(0, load.in_flight_kv_tokens - self.prefill_tokens)
         load.kv_tokens_since_scrape -= self.prefill_tokens
 
@@ -171,7 +171,7 @@ class InFlightRequest:
         (`EndpointLoad.in_flight_area`): over an interval, their differences give the time
         averages of the requests running there and everywhere."""
         now = self._clock()
-        return self._load.advance_area(now), self._fleet.advance_area(now)
+        return self._load.advance_area(now), self._pool.advance_area(now)
 
     def __enter__(self) -> InFlightRequest:
         return self

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -142,6 +142,32 @@ class PrefillCostParameters(BaseModel):
         return data
 
 
+class CostTerms(NamedTuple):
+    """One candidate's cost, term by term (module docstring), in tokens of prefill work."""
+
+    prefill: float
+    """Its uncached tokens' prefill and the delay they impose."""
+    eviction: float
+    """The premium for copies that do not fit in its free room."""
+    queued: float
+    in_flight: float
+    slowness: float
+    """What the pod's slowness adds to its own terms (prefill, queued, in flight, KV wait)."""
+    kv_wait: float
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+
+def _capacity(endpoint: Endpoint) -> int | None:
+    """Tokens ``endpoint``'s KV cache holds, less vLLM's null block (None while unknown)."""
+    metrics = endpoint.metrics
+    if not metrics.num_gpu_blocks or not metrics.block_size:
+        return None
+    return (metrics.num_gpu_blocks - 1) * metrics.block_size
+
+
 def _normal_pdf(z: float) -> float:
     return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
 
@@ -165,14 +191,12 @@ class PrefillCostScorer(Plugin):
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
         and tests)."""
-        return {a: sum(terms) for a, terms in self.cost_terms(request, endpoints).items()}
+        return {a: terms.total for a, terms in self.cost_terms(request, endpoints).items()}
 
     def cost_terms(
         self, request: LLMRequest, endpoints: Sequence[Endpoint]
-    ) -> dict[str, tuple[float, float, float, float, float, float]]:
-        """The cost's terms per candidate, in the module docstring's order: uncached prefill
-        with its delay, eviction premium, queued prefill, requests in flight, what the pod's
-        slowness adds to those, KV wait (the debug log prints them: why a pod won)."""
+    ) -> dict[str, CostTerms]:
+        """The cost's terms per candidate (the debug log prints them: why a pod won)."""
         p = self.p
         rates = self.rates.rates()
         total = request.prompt_tokens
@@ -199,7 +223,7 @@ class PrefillCostScorer(Plugin):
             1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
         )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
-        costs: dict[str, tuple[float, float, float, float, float, float]] = {}
+        costs: dict[str, CostTerms] = {}
         for endpoint in endpoints:
             address = endpoint.address
             held = cached.get(address, 0)
@@ -210,19 +234,17 @@ class PrefillCostScorer(Plugin):
             evicting = copied - self._free_room(endpoint, held_anything)
             busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
-            own = (
-                (1.0 + delay * busy) * uncached,
-                queued,
-                per_request * load.in_flight_requests,
-                self._kv_wait(endpoint, uncached, footprint, rates),
-            )
-            costs[address] = (
-                own[0],
-                premium * max(0, evicting),
-                own[1],
-                own[2],
-                (slow.get(address, 1.0) - 1.0) * sum(own),
-                own[3],
+            prefill = (1.0 + delay * busy) * uncached
+            running = per_request * load.in_flight_requests
+            kv_wait = self._kv_wait(endpoint, uncached, footprint, rates)
+            own_time = prefill + queued + running + kv_wait
+            costs[address] = CostTerms(
+                prefill=prefill,
+                eviction=premium * max(0, evicting),
+                queued=queued,
+                in_flight=running,
+                slowness=(slow.get(address, 1.0) - 1.0) * own_time,
+                kv_wait=kv_wait,
             )
         return costs
 
@@ -230,13 +252,11 @@ class PrefillCostScorer(Plugin):
     def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
         """Tokens of ``endpoint``'s cache holding nothing: a copy that fits there displaces
         nothing (0 when the index or the capacity is unknown)."""
-        metrics = endpoint.metrics
-        if held_anything is None or not metrics.num_gpu_blocks or not metrics.block_size:
+        capacity = _capacity(endpoint)
+        held = None if held_anything is None else held_anything.get(endpoint.address)
+        if capacity is None or held is None:
             return 0
-        held = held_anything.get(endpoint.address)
-        if held is None:
-            return 0
-        return max(0, (metrics.num_gpu_blocks - 1) * metrics.block_size - held)
+        return max(0, capacity - held)
 
     def _kv_wait(
         self, endpoint: Endpoint, uncached: int, footprint: float, rates: Rates | None
@@ -244,11 +264,10 @@ class PrefillCostScorer(Plugin):
         """Tokens-equivalent of waiting for KV room on ``endpoint`` (module docstring).
         ``footprint``: the request's own prompt and answer, in tokens: what the KV use there
         is uncertain by (one request more or less finishing or arriving)."""
-        metrics = endpoint.metrics
-        if not metrics.num_gpu_blocks or not metrics.block_size:
+        capacity = _capacity(endpoint)
+        if capacity is None:
             return 0.0
-        capacity = (metrics.num_gpu_blocks - 1) * metrics.block_size  # less vLLM's null block
-        load = endpoint.load
+        metrics, load = endpoint.metrics, endpoint.load
         duration = rates.fixed_s + (rates.decode_s or 0.0) if rates else 0.0
         age = endpoint.metrics_age
         fade = 0.0 if not math.isfinite(age) else math.exp(-age / duration) if duration else 1.0
@@ -258,7 +277,7 @@ class PrefillCostScorer(Plugin):
         # Expected overflow when the use is known to about one request's size: a normal
         # spread around the estimate, so the cost rises smoothly as the pod fills.
         margin = used + uncached + answer - capacity
-        spread = max(footprint, float(metrics.block_size))
+        spread = max(footprint, float(metrics.block_size or 1))
         z = margin / spread
         overflow = spread * _normal_pdf(z) + margin * _normal_cdf(z)
         if overflow <= 0:
@@ -272,13 +291,13 @@ class PrefillCostScorer(Plugin):
         terms = self.cost_terms(request, endpoints)
         if not terms:
             return {}
-        costs = {a: sum(t) for a, t in terms.items()}
+        costs = {a: t.total for a, t in terms.items()}
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "request %s: costs %s (prefill, eviction, queued, in flight, slowness, KV wait "
-                "%s); in flight %s; rates %s",
+                "request %s: costs %s (%s %s); in flight %s; rates %s",
                 request.request_id,
                 {a: round(c) for a, c in costs.items()},
+                ", ".join(CostTerms._fields),
                 {a: tuple(round(x) for x in t) for a, t in terms.items()},
                 {e.address: e.load.in_flight_requests for e in endpoints},
                 self.rates.rates(),

@@ -26,6 +26,18 @@ async def pod() -> AsyncIterator[FakeVllm]:
     await server.stop()
 
 
+def _watching(
+    pod: FakeVllm, *, timeout: float, unreachable_after: float
+) -> tuple[Datastore, MetricsScraper]:
+    """A datastore holding ``pod`` and a fast scraper watching it (not started)."""
+    ds = Datastore()
+    ds.upsert(EndpointSpec(address=pod.address))
+    scraper = MetricsScraper(
+        ds, interval=0.02, timeout=timeout, failure_threshold=3, unreachable_after=unreachable_after
+    )
+    return ds, scraper
+
+
 def test_routable_leaves_out_unreachable_endpoints_and_fails_open() -> None:
     ds = Datastore()
     for address in ("10.0.0.1:8000", "10.0.0.2:8000"):
@@ -84,11 +96,7 @@ async def test_a_refused_endpoint_is_unreachable_after_the_threshold_and_recover
 
 
 async def test_a_hung_endpoint_is_unreachable_before_its_scrape_times_out(pod: FakeVllm) -> None:
-    ds = Datastore()
-    ds.upsert(EndpointSpec(address=pod.address))
-    scraper = MetricsScraper(
-        ds, interval=0.02, timeout=10.0, failure_threshold=3, unreachable_after=0.2
-    )
+    ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.2)
     await scraper.start()
     try:
         await eventually(lambda: scraper.status[pod.address].successes >= 1)
@@ -108,11 +116,7 @@ async def test_a_busy_endpoint_answering_late_stays_routable(pod: FakeVllm) -> N
     """Busy is not dead: a pod whose /metrics answers after the watchdog's wait, or never within
     the timeout, but which streams responses or publishes KV events meanwhile, keeps its place
     on its aging metrics."""
-    ds = Datastore()
-    ds.upsert(EndpointSpec(address=pod.address))
-    scraper = MetricsScraper(
-        ds, interval=0.02, timeout=0.6, failure_threshold=3, unreachable_after=0.2
-    )
+    ds, scraper = _watching(pod, timeout=0.6, unreachable_after=0.2)
     await scraper.start()
     alive = True
 
@@ -151,11 +155,7 @@ async def test_a_pod_prefilling_is_given_as_long_as_its_slowest_first_byte(
     unanswered for 3 s with no other sign of life.  A pod with prefill in flight whose recent
     first bytes took that long may stay silent that long; with nothing waiting there, the same
     silence is a hang."""
-    ds = Datastore()
-    ds.upsert(EndpointSpec(address=pod.address))
-    scraper = MetricsScraper(
-        ds, interval=0.02, timeout=10.0, failure_threshold=3, unreachable_after=0.1
-    )
+    ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.1)
     await scraper.start()
     try:
         await eventually(lambda: scraper.status[pod.address].successes >= 3)
@@ -176,12 +176,8 @@ async def test_a_pod_prefilling_is_given_as_long_as_its_slowest_first_byte(
 async def test_an_endpoint_that_always_answers_slowly_is_given_time(pod: FakeVllm) -> None:
     """On a loaded machine every answer is slow: the wait before silence counts grows with
     the endpoint's slowest recent answer, so steady 0.3 s answers are not taken for a hang."""
-    ds = Datastore()
-    ds.upsert(EndpointSpec(address=pod.address))
     pod.delay = 0.15
-    scraper = MetricsScraper(
-        ds, interval=0.02, timeout=5.0, failure_threshold=3, unreachable_after=0.2
-    )
+    ds, scraper = _watching(pod, timeout=5.0, unreachable_after=0.2)
     await scraper.start()
     try:
         await eventually(lambda: scraper.status[pod.address].successes >= 3)
