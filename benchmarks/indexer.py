@@ -1,5 +1,5 @@
 """Benchmarks for the `indexer` package: index lookups, event ingestion, index memory, block
-hashing and event decoding.  Figures are printed, never asserted (DESIGN.md "Targets").
+hashing and event decoding.  Figures are printed, never asserted (docs/design.md, "Targets").
 
     .venv/bin/python -m benchmarks.indexer [--json OUT] [--entries 10000000] [--only memory ...]
 
@@ -37,7 +37,7 @@ from indexer.hashing import HashConfig, PrefixHasher, block_hashes
 from indexer.index import KVBlockIndex
 
 BLOCK_SIZE = 16
-PROMPT_TOKENS = 8192  # 512 blocks of 16: the DESIGN.md scheduling target
+PROMPT_TOKENS = 8192  # 512 blocks of 16: the scheduling target (docs/design.md, "Targets")
 ENDPOINTS = 64
 
 
@@ -292,24 +292,28 @@ def memory_probe(entries: int, holders: int, traced: bool) -> None:
     )
 
 
+def probe_memory(entries: int, holders: int, traced: bool) -> dict[str, float]:
+    """`memory_probe` in a fresh interpreter, and what it printed: memory freed by an earlier
+    build in this process would otherwise be reused and hide from the resident set."""
+    code = (
+        f"from benchmarks.indexer import memory_probe; memory_probe({entries}, {holders}, {traced})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout
+    probe: dict[str, float] = json.loads(out)
+    return probe
+
+
 def bench_memory(options: Options) -> list[Figure]:
     figures: list[Figure] = []
     for holders in (1, 2, 4):
         for traced in (True, False):
-            # A fresh interpreter per figure: memory freed by an earlier build would otherwise be
-            # reused and hide from the resident set.
-            code = (
-                "from benchmarks.indexer import memory_probe; "
-                f"memory_probe({options.entries}, {holders}, {traced})"
-            )
-            out = subprocess.run(
-                [sys.executable, "-c", code],
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parent.parent,
-            ).stdout
-            probe = json.loads(out)
+            probe = probe_memory(options.entries, holders, traced)
             how = "tracemalloc" if traced else "RSS growth"
             note = (
                 f"{probe['entries']:,} entries, {probe['blocks']:,} blocks, 64 endpoints"

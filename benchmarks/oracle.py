@@ -1,13 +1,13 @@
 """The capacity-bounded oracle: the hit rate no placement can beat with the fleet's memory.
 
-DESIGN.md's definition: one LRU cache holding the whole fleet's capacity (same block size)
-replays the same requests in order.  Per request, the hit is the longest run of its leading
-blocks the cache holds, capped as vLLM caps it (at least the last prompt token is recomputed:
-``(prompt_tokens - 1) // block_size`` blocks at most); then every block of the prompt is touched
-last block first, so a prompt's beginning is the most recent and the tail is evicted first (as
-vLLM frees a request's blocks tail first).  It is a ceiling, not a policy: one pooled cache has
-no duplicates and no blocks pinned by running requests, and it knows the future no better than
-LRU does.  Computed from the same block keys the engines use.
+The definition of docs/design.md ("Targets"): one LRU cache holding the whole fleet's capacity
+(same block size) replays the same requests in order.  Per request, the hit is the longest run
+of its leading blocks the cache holds, capped as vLLM caps it (at least the last prompt token is
+recomputed: ``(prompt_tokens - 1) // block_size`` blocks at most); then every block of the
+prompt is touched last block first, so a prompt's beginning is the most recent and the tail is
+evicted first (as vLLM frees a request's blocks tail first).  It is a ceiling, not a policy: one
+pooled cache has no duplicates and no blocks pinned by running requests, and it knows the future
+no better than LRU does.  Computed from the same block keys the engines use.
 """
 
 from __future__ import annotations

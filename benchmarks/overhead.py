@@ -1,5 +1,6 @@
-"""The EPP's overhead, for DESIGN.md's targets: decision latency through the real ext_proc server,
-sustained decisions per second per core, KV-event ingestion while serving, index memory.
+"""The EPP's overhead, for the targets of docs/design.md ("Targets"): decision latency through the
+real ext_proc server, sustained decisions per second per core, KV-event ingestion while serving,
+index memory.
 
     python -m benchmarks.overhead [--endpoints 16 64 256] [--sizes 2048 8192 32768]
                                   [--requests 100] [--seconds 10] [--memory-entries 10000000]
@@ -10,7 +11,7 @@ sustained decisions per second per core, KV-event ingestion while serving, index
   tokenization, vLLM block hashing, the index lookup, every scorer, the picker.  The profile is
   `benchmarks.decision`'s (precise prefix 3, queue 2, KV utilization 2); four endpoints hold the
   shared system prompt in the index.  ``cold``: every prompt new; ``warm``: the shared system
-  prompt seen before, a new user turn (DESIGN.md's "prefix seen recently").
+  prompt seen before, a new user turn (docs/design.md's "prefix seen recently").
 * ``rps``: the EPP (this process: its event loop plus two tokenizer threads) against a load
   generator in another process keeping 32 streams busy with warm 2k-token chat prompts; the
   figure is decisions per second divided by the CPU cores the EPP process used meanwhile.
@@ -32,8 +33,6 @@ import multiprocessing
 import os
 import random
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +42,21 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from benchmarks.decision import _chat, _chat_cases, _config, _one_decision, _percentiles, _text
+from benchmarks.decision import (
+    _chat,
+    _chat_cases,
+    _config,
+    _one_decision,
+    _percentiles,
+    _stored,
+    _text,
+)
+from benchmarks.indexer import probe_memory
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.extproc import start_extproc_server
-from indexer.events import BlockStored, KVEventBatch, encode_batch
-from indexer.hashing import block_hashes
+from indexer.events import KVEventBatch, encode_batch
 from indexer.subscriber import _EndpointFeed
 from indexer.tokenization import PromptTokenizer
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
@@ -96,14 +103,7 @@ class Server:
         self.executor.shutdown(cancel_futures=True)
 
     def hold(self, ids: list[int], holders: int = 4) -> None:
-        keys = block_hashes(ids, block_size=16, algo="sha256")
-        stored = BlockStored(
-            block_hashes=tuple(keys),
-            parent_block_hash=None,
-            token_ids=tuple(ids[: 16 * len(keys)]),
-            block_size=16,
-            extra_keys=(None,) * len(keys),
-        )
+        stored = _stored(ids)
         for address in self.addresses[:holders]:
             self.plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
@@ -236,16 +236,7 @@ def _publisher(url_queue: Any, seconds: float, batches_sent: Any, rate: float) -
     for _ in range(256):
         events = []
         for _ in range(64):
-            tokens = [rng.randrange(128_000) for _ in range(16 * 16)]
-            events.append(
-                BlockStored(
-                    block_hashes=tuple(block_hashes(tokens, block_size=16, algo="sha256")),
-                    parent_block_hash=None,
-                    token_ids=tuple(tokens),
-                    block_size=16,
-                    extra_keys=(None,) * 16,
-                )
-            )
+            events.append(_stored([rng.randrange(128_000) for _ in range(16 * 16)]))
         payloads.append(encode_batch(KVEventBatch(ts=0.0, events=tuple(events))))
     url_queue.put("built")
     time.sleep(1.0)  # the subscriber connects (slow joiner)
@@ -332,16 +323,7 @@ async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[st
 def memory(entries: int) -> dict[str, Any]:
     out = {}
     for holders in (1, 2):
-        code = f"from benchmarks.indexer import memory_probe; memory_probe({entries}, {holders}, False)"
-        probe = json.loads(
-            subprocess.run(
-                [sys.executable, "-c", code],
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parent.parent,
-            ).stdout
-        )
+        probe = probe_memory(entries, holders, traced=False)
         out[f"{holders} holder(s) per block"] = {
             "bytes_per_entry": probe["bytes"] / probe["entries"],
             "entries": probe["entries"],

@@ -27,129 +27,69 @@ def _policy(name: str, description: str, body: str) -> Policy:
     return Policy(name, description, _HEADER + body)
 
 
+def _one_profile(*profile: str | tuple[str, int], producers: tuple[str, ...] = ()) -> str:
+    """The plugins and profile of a config whose one ``default`` profile runs ``profile`` in
+    order (a ``(type, weight)`` pair weighs a scorer), each plugin named after its type;
+    ``producers`` are declared first and in no profile (data producers others read)."""
+    refs = [(entry, None) if isinstance(entry, str) else entry for entry in profile]
+    lines = ["plugins:", *(f"- type: {t}" for t in (*producers, *(t for t, _ in refs)))]
+    lines += ["schedulingProfiles:", "- name: default", "  plugins:"]
+    for type_name, weight in refs:
+        lines.append(f"  - pluginRef: {type_name}")
+        if weight is not None:
+            lines.append(f"    weight: {weight}")
+    return "\n".join(lines) + "\n"
+
+
+def _inference_extension_weights(prefix_scorer: str) -> str:
+    """The Inference Extension's default weights (prefix 3, queue 2, KV utilization 2) with
+    ``prefix_scorer`` as the prefix scorer."""
+    return _one_profile(
+        (prefix_scorer, 3),
+        ("queue-scorer", 2),
+        ("kv-cache-utilization-scorer", 2),
+        "max-score-picker",
+    )
+
+
 BASELINES: tuple[Policy, ...] = (
-    _policy(
-        "random",
-        "uniformly random pod (random-picker)",
-        """\
-plugins:
-- type: random-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: random-picker
-""",
-    ),
+    _policy("random", "uniformly random pod (random-picker)", _one_profile("random-picker")),
     _policy(
         "round-robin",
         "each pod in turn, as a Kubernetes Service (round-robin-picker)",
-        """\
-plugins:
-- type: round-robin-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: round-robin-picker
-""",
+        _one_profile("round-robin-picker"),
     ),
     _policy(
         "least-loaded",
         "shortest scraped waiting queue (queue-scorer), ties at random",
-        """\
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
-""",
+        _one_profile("queue-scorer", "max-score-picker"),
     ),
     _policy(
         "gie-approx",
         "Inference Extension default: approximate prefix 3, queue 2, kv-utilization 2",
-        """\
-plugins:
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: max-score-picker
-""",
+        _inference_extension_weights("prefix-cache-scorer"),
     ),
     _policy(
         "precise-weighted",
         "llm-d precise: KV-event prefix 3, queue 2, kv-utilization 2",
-        """\
-plugins:
-- type: precise-prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 3
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: max-score-picker
-""",
+        _inference_extension_weights("precise-prefix-cache-scorer"),
     ),
     _policy(
         "sglang",
         "SGLang router cache_aware: approximate tree, 30 % match threshold, balance 64/1.5",
-        """\
-plugins:
-- type: sglang-cache-aware-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: sglang-cache-aware-scorer
-  - pluginRef: max-score-picker
-""",
+        _one_profile("sglang-cache-aware-scorer", "max-score-picker"),
     ),
     _policy(
         "ray",
         "Ray Serve PrefixCacheAffinityRouter: char tree, 10 % match, queue spread 10, pow2",
-        """\
-plugins:
-- type: ray-prefix-cache-affinity-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: ray-prefix-cache-affinity-scorer
-  - pluginRef: max-score-picker
-""",
+        _one_profile("ray-prefix-cache-affinity-scorer", "max-score-picker"),
     ),
     _policy(
         "dynamo",
         "Dynamo KV router: argmin prefill blocks (KV events) + active decode blocks",
-        """\
-plugins:
-- type: precise-prefix-cache-scorer
-- type: dynamo-cost-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: dynamo-cost-scorer
-  - pluginRef: max-score-picker
-""",
+        _one_profile(
+            "dynamo-cost-scorer", "max-score-picker", producers=("precise-prefix-cache-scorer",)
+        ),
     ),
 )
 

@@ -45,7 +45,9 @@ from epp.director import Director, TrackedDecision
 from indexer.events import KVEventBatch
 from indexer.subscriber import KVEventSink
 from scorers.base import EndpointMetrics, LLMRequest, PluginContext, Usage
-from simulator.engine import Engine, EngineConfig, RequestOutput
+from simulator.engine import Engine
+from simulator.engine_config import EngineConfig
+from simulator.engine_outputs import RequestOutput
 from simulator.profiles import LLAMA3_8B_H100, Profile
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

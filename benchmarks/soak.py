@@ -4,7 +4,7 @@ counters agree with the clients' and the pods'.
 
     python -m benchmarks.soak --minutes 10 [--rate 20] [--pods 3] [--json OUT]
 
-The fleet is the reliability tests' (``tests/reliability/stack.py``): simulated vLLM pods as
+The fleet is `launcher.stack`'s, as the reliability tests start it: simulated vLLM pods as
 processes, ``epp serve`` and Envoy.  Every ``--churn-every`` seconds one fault is applied in turn:
 a pod killed and started again, a pod restarted in place (seq back to 0), a pod hung for 2 s,
 5 s of lost event batches.  Every ``--sample-every`` seconds the EPP process is sampled (RSS,
@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
-from tests.reliability.stack import Stack, Traffic, metric, scrape, true_entries, wait_for
+from launcher.observe import metric, scrape, true_entries, wait_for
+from launcher.stack import Stack
+from launcher.traffic import Traffic
 
 
 @dataclass

@@ -9,9 +9,10 @@ blocks in a worker thread posts its results to the loop (`loop.call_soon_threads
 
 Staleness: an endpoint whose last good scrape is older than ``staleness_threshold`` (or that was
 never scraped) has ``metrics_stale = True``.  The Inference Extension's utilization detector
-treats metrics older than 200 ms as 100 % saturated (anchors §4.3); with the 50 ms scrape
-interval that is four missed scrapes in a row.  The flag is recomputed by `endpoints()` and
-`get()` with one clock read per call, so readers never see a flag older than their read.
+treats metrics older than 200 ms as 100 % saturated (docs/design.md, "Metrics and staleness");
+with the 50 ms scrape interval that is four missed scrapes in a row.  The flag is recomputed by
+`endpoints()` and `get()` with one clock read per call, so readers never see a flag older than
+their read.
 
 Each endpoint also carries ``metrics_age`` (seconds since its last good scrape, infinite when
 never scraped), refreshed the same way: scorers that weigh load widen their uncertainty with it

@@ -1,7 +1,7 @@
 """The Envoy ext_proc server: one gRPC stream per HTTP request, answered by a `Router`.
 
 Protocol (Envoy ``envoy.service.ext_proc.v3.ExternalProcessor/Process``, as the Gateway API
-Inference Extension's EPP uses it; see ``shared/anchors/gie-epp-and-llm-d.md`` §1):
+Inference Extension's EPP uses it; summarized in ``docs/design.md``, "Envoy ext_proc contract"):
 
 1. ``request_headers`` are recorded.  With ``end_of_stream`` (no body: GET /v1/models, ...)
    the request is routed at once by load (`Router.route_without_body`) and the headers are

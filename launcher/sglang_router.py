@@ -21,7 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from simulator.launch import free_port, log_tail, spawn, stop_process
+from launcher.ports import reserve_port
+from launcher.processes import log_tail, spawn, stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 VENV = PROJECT_ROOT / ".venv-sglang-router"
@@ -62,7 +63,7 @@ class SGLangRouter:
     ) -> None:
         self.workers = list(workers)
         self.policy = policy
-        self.port = port or free_port()
+        self.port = port or reserve_port()
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 

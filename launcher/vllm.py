@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from simulator.launch import free_port
+from launcher.ports import reserve_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = PROJECT_ROOT / "launcher" / "setup_vllm_env.sh"
@@ -156,7 +156,7 @@ class ServerSpec:
 
     @classmethod
     def on_free_ports(cls, name: str, **kwargs: Any) -> ServerSpec:
-        return cls(name, free_port(), free_port(), free_port(), **kwargs)
+        return cls(name, reserve_port(), reserve_port(), reserve_port(), **kwargs)
 
     @property
     def address(self) -> str:

@@ -9,14 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import (
-    Endpoint,
-    LLMRequest,
-    Plugin,
-    PluginContext,
-    SchedulingResult,
-    register,
-)
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
 from scorers.request_data import SESSION_TOKEN, is_cold_request
 
 SESSION_TOKEN_HEADER = "x-session-token"

@@ -74,7 +74,8 @@ class EndpointLoad:
 
     in_flight_requests: int = 0
     # Prompt tokens not served from cache, of requests routed there that have not produced their
-    # first token yet: the prefill work queued on that pod, in tokens (DESIGN.md: weigh work).
+    # first token yet: the prefill work queued on that pod, in tokens (docs/design.md,
+    # "Decisions weigh work").
     in_flight_prefill_tokens: int = 0
     # The same tokens until their requests finish: the KV blocks this EPP's requests added
     # there (answers' growth not counted).

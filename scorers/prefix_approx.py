@@ -32,14 +32,7 @@ from typing import Any
 import xxhash
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from scorers.base import (
-    Endpoint,
-    LLMRequest,
-    Plugin,
-    PluginContext,
-    SchedulingResult,
-    register,
-)
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
 from scorers.request_data import record_prefix_matches
 
 _xxh64 = xxhash.xxh64_intdigest
@@ -146,6 +139,11 @@ class PrefixBlockIndex:
     def __len__(self) -> int:
         """(block, endpoint) entries held."""
         return sum(len(blocks) for blocks in self._blocks.values())
+
+    def blocks_held(self, address: str) -> int:
+        """Blocks ``address`` holds: the size of its tree, which SGLang's and Ray's routers
+        fall back to (fewest first) when no endpoint matches enough of the prompt."""
+        return len(self._blocks.get(address, ()))
 
     def add(self, address: str, hashes: Sequence[int]) -> None:
         """Record that ``address`` now holds these blocks.  Touched last block first, so the

@@ -28,14 +28,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import (
-    Endpoint,
-    LLMRequest,
-    Plugin,
-    PluginContext,
-    SchedulingResult,
-    register,
-)
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
 from scorers.prefix_approx import PrefixBlockIndex, block_hashes
 from scorers.request_data import record_prefix_matches
 
@@ -68,11 +61,6 @@ def prompt_text(request: LLMRequest) -> str:
     return ""
 
 
-class _Tree(PrefixBlockIndex):
-    def size(self, address: str) -> int:
-        return len(self._blocks.get(address, ()))
-
-
 @register("ray-prefix-cache-affinity-scorer")
 class RayPrefixAffinityScorer(Plugin):
     """Ray Serve's ``PrefixCacheAffinityRouter``; see the module docstring."""
@@ -84,7 +72,9 @@ class RayPrefixAffinityScorer(Plugin):
         assert isinstance(params, RayPrefixAffinityParameters)
         self.p = params
         limit = params.maxTreeSizeChars
-        self.tree = _Tree((1 << 62) if limit is None else max(1, limit // params.blockSizeChars))
+        self.tree = PrefixBlockIndex(
+            (1 << 62) if limit is None else max(1, limit // params.blockSizeChars)
+        )
 
     def _hashes(self, request: LLMRequest) -> tuple[list[int], int]:
         cached: tuple[list[int], int] | None = request.data.get(_STATE)
@@ -117,7 +107,7 @@ class RayPrefixAffinityScorer(Plugin):
         if best and rate >= p.matchRateThreshold:
             candidates = [e for e in endpoints if matched.get(e.address, 0) == best]
         else:
-            sizes = {e.address: self.tree.size(e.address) for e in endpoints}
+            sizes = {e.address: self.tree.blocks_held(e.address) for e in endpoints}
             smallest = min(sizes.values())
             candidates = [e for e in endpoints if sizes[e.address] == smallest]
         return self._shortest_queue(candidates)

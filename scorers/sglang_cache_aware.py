@@ -25,14 +25,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import (
-    Endpoint,
-    LLMRequest,
-    Plugin,
-    PluginContext,
-    SchedulingResult,
-    register,
-)
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
 from scorers.prefix_approx import PrefixBlockIndex, block_hashes, prompt_bytes
 from scorers.request_data import record_prefix_matches
 
@@ -54,13 +47,6 @@ class CacheAwareParameters(BaseModel):
     """Granularity of the approximate tree, in bytes of prompt."""
 
 
-class _Tree(PrefixBlockIndex):
-    """The block index plus each worker's tree size (blocks it holds)."""
-
-    def size(self, address: str) -> int:
-        return len(self._blocks.get(address, ()))
-
-
 @register("sglang-cache-aware-scorer")
 class SGLangCacheAwareScorer(Plugin):
     """SGLang's ``cache_aware`` rule; see the module docstring."""
@@ -72,7 +58,7 @@ class SGLangCacheAwareScorer(Plugin):
         assert isinstance(params, CacheAwareParameters)
         self.p = params
         block_tokens = max(1, params.blockSizeBytes // 4)
-        self.tree = _Tree(max(1, params.maxTreeSizeTokens // block_tokens))
+        self.tree = PrefixBlockIndex(max(1, params.maxTreeSizeTokens // block_tokens))
 
     def _hashes(self, request: LLMRequest) -> list[int]:
         hashes: list[int] | None = request.data.get(_STATE)
@@ -98,7 +84,7 @@ class SGLangCacheAwareScorer(Plugin):
         best = max((matched.get(a, 0) for a in loads), default=0)
         if hashes and best / len(hashes) > p.cacheThreshold:
             return [a for a in loads if matched.get(a, 0) == best]
-        sizes = {a: self.tree.size(a) for a in loads}
+        sizes = {a: self.tree.blocks_held(a) for a in loads}
         smallest = min(sizes.values())
         return [a for a, size in sizes.items() if size == smallest]
 

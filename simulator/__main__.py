@@ -26,9 +26,10 @@ from typing import get_args
 from indexer.errors import IndexerError
 from indexer.hashing import HashAlgo
 from indexer.tokenization import PromptTokenizer, load_hf_tokenizer
-from simulator.engine import EngineConfig, EngineError
+from simulator.engine_config import EngineConfig, EngineError
 from simulator.profiles import PROFILES, ProfileError, get_profile
-from simulator.server import FaultConfig, ServerConfig, SimulatedPod, SimulatorError
+from simulator.server import SimulatedPod
+from simulator.server_config import FaultConfig, ServerConfig, SimulatorError
 
 logger = logging.getLogger("simulator")
 
@@ -252,10 +253,10 @@ def build_pod(args: argparse.Namespace) -> SimulatedPod:
 async def serve(pod: SimulatedPod) -> None:
     await pod.start()
     config = pod.config
-    engine = pod.engine.config
+    engine = pod.driver.engine.config
     print(
         f"simulator ready: http://{config.host}:{config.port} model={config.model} "
-        f"profile={pod.engine.profile.name} blocks={engine.num_gpu_blocks}x{engine.block_size} "
+        f"profile={pod.driver.engine.profile.name} blocks={engine.num_gpu_blocks}x{engine.block_size} "
         f"hash={engine.hash_algo} kv-events={config.kv_events_endpoint or 'off'} "
         f"replay={config.replay_endpoint or 'off'} topic={config.topic}",
         flush=True,

@@ -3,25 +3,6 @@
 No asyncio, no sockets, no clock: time is whatever the caller passes, so the same code runs in
 real time behind the HTTP server and in virtual time inside the routing benchmark.
 
-**Prefix cache** — vLLM 0.33's ``BlockPool`` in miniature (``vllm/v1/core/block_pool.py``,
-``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``):
-
-* ``num_gpu_blocks`` blocks of ``block_size`` tokens; block 0 is the reserved null block, so
-  ``num_gpu_blocks - 1`` are usable.  Every block has a reference count.
-* The free queue holds every block with no reference, cached or not, and is consumed from its
-  head: initially the blocks in id order, then blocks in the order they were freed.  A request
-  frees its blocks tail first (vLLM frees ``reversed(req_blocks)``), so the end of a prompt is
-  evicted before its shared beginning.  Taking a cached block off the head evicts it: one
-  ``BlockRemoved`` per hash.  A prefix hit on a free cached block takes it out of the queue.
-* A block is cached (``BlockStored``) when the request's computed tokens fill it, which vLLM does
-  at scheduling time in ``allocate_slots`` → ``cache_blocks``: prompt blocks when their prefill
-  chunk is scheduled, decode blocks when the token that completes them is scheduled.  Blocks
-  reused from the cache produce no event.  Two blocks can carry the same hash (a fully cached
-  prompt recomputes its last block): both are cached and both emit events, as in vLLM.
-* Admission looks up the longest run of cached full blocks, capped at ``(num_tokens - 1) //
-  block_size`` blocks because vLLM always recomputes the last prompt token to get logits
-  (``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = request.num_tokens - 1``).
-
 **Scheduler** — vLLM V1's ``Scheduler.schedule`` with chunked prefill: every step first gives
 each running request (oldest first) the tokens it still needs, capped by the step's token budget;
 if one cannot get a block, the newest running request is preempted (recompute: its blocks are
@@ -35,263 +16,45 @@ prefill completes in the step gets its first token then (TTFT), and every later 
 decoding request one token.  The simulator does not model EOS: a request produces exactly its
 ``max_tokens``.  A step's composition is fixed when it starts, from the requests added by then.
 
-**Events** — everything a step produced is one `KVEventBatch` (vLLM publishes one batch per step
-that produced events), with the fields vLLM 0.33's GPU pool puts on the wire: ``medium="GPU"``,
-``group_idx=0``, ``kv_cache_spec_kind="full_attention"``, per-block untagged extra keys.
-
-Block identity: a request brings either its token ids (hashed here with `indexer.hashing`, vLLM's
-algorithm, so event hashes equal the real pod's), or precomputed chained digests, or just its
-length and precomputed 64-bit block keys (benchmarks that hash once for many engines).  Blocks
-completed during decode extend the same chain when the digests and tokens are known, and get a
-deterministic per-request synthetic key otherwise (generated text is never shared anyway).
+The prefix cache and the KV events it emits are `simulator.block_pool`; configuration and errors
+are `simulator.engine_config`, what the engine reports is `simulator.engine_outputs`.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from itertools import islice
-from typing import Any, Final
+from collections import deque
+from collections.abc import Sequence
 
-from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from indexer.hashing import HashAlgo, HashConfig, PrefixHasher, event_key, extra_keys_for_block
+from indexer.events import KVEventBatch
+from indexer.hashing import event_key
+from simulator.block_pool import BlockPool, mix64
+from simulator.engine_config import EngineConfig, EngineError, LoRA, RequestRejected
+from simulator.engine_outputs import AdvanceResult, EngineMetrics, RequestOutput, RequestStats
 from simulator.profiles import Profile
-
-_MASK64: Final = (1 << 64) - 1
-_MEDIUM: Final = "GPU"
-_SPEC_KIND: Final = "full_attention"
-
-
-class EngineError(Exception):
-    """Base class for errors raised by the simulated engine."""
-
-
-class RequestRejected(EngineError, ValueError):
-    """A request the engine cannot run (too long for the model or the cache, bad arguments).
-    The server maps it to HTTP 400, as vLLM does for an over-long prompt."""
-
-
-@dataclass(slots=True, frozen=True)
-class LoRA:
-    """A LoRA adapter as vLLM hashes it (name and registration path) and reports it (name, id)."""
-
-    name: str
-    path: str
-    int_id: int = 1
-
-
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    """What ``vllm serve`` flags would fix for one engine."""
-
-    num_gpu_blocks: int
-    """vLLM's ``num_gpu_blocks``, the null block included (usable blocks = this - 1)."""
-    block_size: int = 16
-    hash_algo: HashAlgo = "sha256"
-    """``--prefix-caching-hash-algo``; vLLM's default is sha256 (pickle)."""
-    hash_seed: str | None = None
-    """The pod's ``PYTHONHASHSEED`` (None = unset)."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    emit_events: bool = True
-    """Build KV events (the benchmark can switch them off when it reads the cache directly)."""
-    record_token_times: bool = False
-    """Keep every token's timestamp in the outputs (inter-token latency statistics)."""
-    output_token_pool: tuple[int, ...] = ()
-    """Token ids generated text is drawn from; empty means ``range(output_vocab_size)``."""
-    output_tokens: Callable[[str, int], int] | None = None
-    """``(req_id, index) -> token id`` overriding the pool (tests that need exact outputs)."""
-    output_vocab_size: int = 32_000
-    output_seed: int = 0
-    data_parallel_rank: int = 0
-    hasher_cache_blocks: int = 50_000
-
-    def __post_init__(self) -> None:
-        if self.num_gpu_blocks < 2:
-            raise EngineError(
-                f"num_gpu_blocks must be >= 2 (block 0 is vLLM's null block), got {self.num_gpu_blocks}"
-            )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.output_vocab_size < 1 and not self.output_token_pool:
-            raise EngineError("output_vocab_size must be >= 1 when output_token_pool is empty")
-
-    @classmethod
-    def from_profile(cls, profile: Profile, **overrides: Any) -> EngineConfig:
-        """The profile's capacity and limits, with any field overridden."""
-        block_size = overrides.get("block_size", profile.block_size)
-        values: dict[str, Any] = {
-            "num_gpu_blocks": profile.num_gpu_blocks(block_size),
-            "block_size": block_size,
-            "max_model_len": profile.max_model_len,
-            "max_num_batched_tokens": profile.max_num_batched_tokens,
-            "max_num_seqs": profile.max_num_seqs,
-        }
-        values.update(overrides)
-        return cls(**values)
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-@dataclass(slots=True, frozen=True)
-class RequestStats:
-    """What vLLM reports about a request once it is done (usage, timings)."""
-
-    req_id: str
-    arrival_time: float
-    prompt_tokens: int
-    cached_tokens: int
-    """The prefix-cache hit at first scheduling (``usage.prompt_tokens_details.cached_tokens``)."""
-    completion_tokens: int
-    first_token_time: float | None
-    finish_time: float
-    num_preemptions: int
-    finish_reason: str
-    """``"length"`` (the simulator has no EOS) or ``"abort"``."""
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float:
-        return self.finish_time - self.arrival_time
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one request produced since the previous `Engine.advance` (over one or more steps)."""
-
-    req_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    """Generated ids (empty for requests added without token ids)."""
-    num_new_tokens: int = 0
-    last_token_time: float = 0.0
-    first_token_time: float | None = None
-    """Set when the first token is among the new ones."""
-    token_times: list[float] | None = None
-    """Each new token's time, when `EngineConfig.record_token_times` is on."""
-    finished: bool = False
-    stats: RequestStats | None = None
-    """Set when finished."""
-
-
-@dataclass(slots=True)
-class AdvanceResult:
-    """Everything that happened in the steps that ended by the ``now`` of `Engine.advance`."""
-
-    outputs: dict[str, RequestOutput] = field(default_factory=dict)
-    kv_batches: list[KVEventBatch] = field(default_factory=list)
-    steps: int = 0
-
-
-@dataclass(slots=True, frozen=True)
-class EngineMetrics:
-    """A snapshot with vLLM's metric semantics (`VLLM-INTEROP.md` §6)."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage: float
-    """``BlockPool.get_usage()``: 1 − free/(num_gpu_blocks − 1); cached free blocks count as free."""
-    num_cached_blocks: int
-    prefix_cache_queries: int
-    """Tokens looked up in the prefix cache by requests on their first scheduling."""
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_finished: int
-    num_steps: int
-    busy_time: float
-
-
-class _Request:
-    __slots__ = (
-        "arrival",
-        "blocks",
-        "cache_salt",
-        "cached_tokens",
-        "digests",
-        "first_token_time",
-        "keys",
-        "lora",
-        "max_tokens",
-        "num_cached_blocks",
-        "num_computed",
-        "num_output",
-        "num_preemptions",
-        "num_tokens",
-        "prompt_len",
-        "req_id",
-        "status",
-        "token_ids",
-        "uid",
-    )
-
-    def __init__(
-        self,
-        req_id: str,
-        arrival: float,
-        prompt_len: int,
-        max_tokens: int,
-        token_ids: list[int] | None,
-        digests: list[bytes] | None,
-        keys: list[int],
-        cache_salt: str | None,
-        lora: LoRA | None,
-        uid: int,
-    ) -> None:
-        self.req_id = req_id
-        self.arrival = arrival
-        self.prompt_len = prompt_len
-        self.max_tokens = max_tokens
-        self.num_tokens = prompt_len  # prompt + generated so far (vLLM's request.num_tokens)
-        self.token_ids = token_ids
-        self.digests = digests
-        self.keys = keys
-        self.cache_salt = cache_salt
-        self.lora = lora
-        self.uid = uid
-        self.status = RequestStatus.WAITING
-        self.blocks: list[int] = []
-        self.num_cached_blocks = 0  # leading blocks already in the cache map (hit or stored)
-        self.num_computed = 0
-        self.num_output = 0
-        self.num_preemptions = 0
-        self.cached_tokens = -1  # vLLM's num_cached_tokens: set at first scheduling
-        self.first_token_time: float | None = None
+from simulator.request_state import RequestState, RequestStatus
 
 
 class _Step:
     __slots__ = ("end", "scheduled", "start")
 
-    def __init__(self, start: float, end: float, scheduled: list[tuple[_Request, int]]) -> None:
+    def __init__(self, start: float, end: float, scheduled: list[tuple[RequestState, int]]) -> None:
         self.start = start
         self.end = end
         self.scheduled = scheduled
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finalizer: a cheap, well-spread 64-bit hash of an int."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _check_block_count(name: str, count: int, prompt_len: int, block_size: int) -> None:
+    full_blocks = prompt_len // block_size
+    if count != full_blocks:
+        raise RequestRejected(
+            f"{name} has {count} entries; a {prompt_len}-token prompt has "
+            f"{full_blocks} full blocks of {block_size}"
+        )
 
 
 class Engine:
@@ -308,28 +71,17 @@ class Engine:
     def __init__(self, config: EngineConfig, profile: Profile) -> None:
         self.config = config
         self.profile = profile
-        self._hash_config = HashConfig(
-            block_size=config.block_size, algo=config.hash_algo, seed=config.hash_seed
-        )
-        self._hasher: PrefixHasher | None = None  # built on first use: key-only callers never hash
-        self._none_hash: bytes | None = None
-        n = config.num_gpu_blocks
-        self._ref = [0] * n
-        self._block_key: list[int | None] = [None] * n
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
-        self._cached: dict[int, int] = {}
-        self._duplicates: dict[int, list[int]] = {}
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._requests: dict[str, _Request] = {}
-        self._events: list[KVEvent] = []
+        self._pool = BlockPool(config)
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[RequestState] = []
+        self._requests: dict[str, RequestState] = {}
         self._inflight: _Step | None = None
         self._free_at = 0.0  # when the engine can start its next step
         self._now = 0.0
         self._pending = AdvanceResult()
         self._next_uid = 1
-        pool = config.output_token_pool or range(config.output_vocab_size)
-        self._token_pool: Sequence[int] = pool
+        token_pool = config.output_token_pool or range(config.output_vocab_size)
+        self._token_pool: Sequence[int] = token_pool
         # Counters (vLLM metric semantics).
         self._queries = 0
         self._hits = 0
@@ -382,36 +134,22 @@ class Engine:
             prompt_len = num_prompt_tokens
         else:
             raise RequestRejected("give token_ids, or num_prompt_tokens with block_keys")
-        full_blocks = prompt_len // size
         if block_digests is not None:
             digests = list(block_digests)
-            if len(digests) != full_blocks:
-                raise RequestRejected(
-                    f"block_digests has {len(digests)} entries; a {prompt_len}-token prompt has "
-                    f"{full_blocks} full blocks of {size}"
-                )
+            _check_block_count("block_digests", len(digests), prompt_len, size)
             keys = [event_key(d) for d in digests]
         elif block_keys is not None:
             keys = list(block_keys)
-            if len(keys) != full_blocks:
-                raise RequestRejected(
-                    f"block_keys has {len(keys)} entries; a {prompt_len}-token prompt has "
-                    f"{full_blocks} full blocks of {size}"
-                )
+            _check_block_count("block_keys", len(keys), prompt_len, size)
         elif not self.config.enable_prefix_caching:
             keys = []  # nothing is ever looked up or cached: skip the hashing
         elif tokens is not None:
-            digests = self._prefix_hasher().digests(
-                tokens,
-                lora_name=lora.name if lora else None,
-                lora_path=lora.path if lora else None,
-                cache_salt=cache_salt,
-            )
+            digests = self._pool.prompt_digests(tokens, lora, cache_salt)
             keys = [event_key(d) for d in digests]
         else:
             raise RequestRejected("num_prompt_tokens without token_ids needs block_keys")
         self._validate(req_id, prompt_len, max_tokens)
-        request = _Request(
+        request = RequestState(
             req_id,
             now,
             prompt_len,
@@ -460,7 +198,7 @@ class Engine:
             self._waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self._running.remove(request)
-            self._free_blocks(request)
+            self._pool.free_blocks(request)
         request.status = RequestStatus.ABORTED
         return self._stats(request, now, "abort")
 
@@ -514,8 +252,9 @@ class Engine:
         config = self.config
         size = config.block_size
         budget = config.max_num_batched_tokens
-        scheduled: list[tuple[_Request, int]] = []
+        scheduled: list[tuple[RequestState, int]] = []
         running = self._running
+        pool = self._pool
         preempted = False
         index = 0
         while index < len(running) and budget > 0:
@@ -523,9 +262,9 @@ class Engine:
             new_tokens = min(request.num_tokens - request.num_computed, budget)
             while True:
                 needed = _cdiv(request.num_computed + new_tokens, size) - len(request.blocks)
-                if needed <= len(self._free):
+                if needed <= pool.num_free():
                     if needed > 0:
-                        self._take_free_blocks(request, needed)
+                        pool.take_free_blocks(request, needed)
                     can_schedule = True
                     break
                 victim = running.pop()
@@ -536,7 +275,7 @@ class Engine:
                     break
             if not can_schedule:
                 break
-            self._cache_full_blocks(request, request.num_computed + new_tokens)
+            pool.cache_full_blocks(request, request.num_computed + new_tokens)
             request.num_computed += new_tokens
             scheduled.append((request, new_tokens))
             budget -= new_tokens
@@ -546,21 +285,19 @@ class Engine:
             waiting = self._waiting
             while waiting and budget > 0 and len(running) < config.max_num_seqs:
                 request = waiting[0]
-                hit_blocks = self._longest_cached_prefix(request)
+                hit_blocks = pool.longest_cached_prefix(request)
                 cached_tokens = len(hit_blocks) * size
                 new_tokens = min(request.num_tokens - cached_tokens, budget)
                 needed = _cdiv(cached_tokens + new_tokens, size) - len(hit_blocks)
-                ref = self._ref
-                evictable_hits = sum(1 for b in hit_blocks if ref[b] == 0)
-                if needed > len(self._free) - evictable_hits:
+                if needed > pool.num_free_without(hit_blocks):
                     break
                 waiting.popleft()
-                self._touch(hit_blocks)
+                pool.touch(hit_blocks)
                 request.blocks = hit_blocks
                 request.num_cached_blocks = len(hit_blocks)
                 request.num_computed = cached_tokens
                 if needed > 0:
-                    self._take_free_blocks(request, needed)
+                    pool.take_free_blocks(request, needed)
                 if request.num_preemptions == 0:
                     # vLLM's PrefixCacheStats.record: preempted re-admissions are counted apart
                     # and do not feed vllm:prefix_cache_queries/hits.
@@ -570,7 +307,7 @@ class Engine:
                     request.cached_tokens = cached_tokens
                 request.status = RequestStatus.RUNNING
                 running.append(request)
-                self._cache_full_blocks(request, cached_tokens + new_tokens)
+                pool.cache_full_blocks(request, cached_tokens + new_tokens)
                 request.num_computed += new_tokens
                 scheduled.append((request, new_tokens))
                 budget -= new_tokens
@@ -584,7 +321,7 @@ class Engine:
             return None
         return _Step(start, start + self._step_duration(scheduled), scheduled)
 
-    def _step_duration(self, scheduled: list[tuple[_Request, int]]) -> float:
+    def _step_duration(self, scheduled: list[tuple[RequestState, int]]) -> float:
         prefill_tokens = 0
         pairs = 0.0
         decode_seqs = 0
@@ -609,10 +346,10 @@ class Engine:
         end = step.end
         outputs = self._pending.outputs
         record_times = self.config.record_token_times
-        pool = self._token_pool
-        pool_size = len(pool)
+        token_pool = self._token_pool
+        pool_size = len(token_pool)
         source = self.config.output_tokens
-        finished: list[_Request] = []
+        finished: list[RequestState] = []
         generated = 0
         for request, _ in step.scheduled:
             if request.status is not RequestStatus.RUNNING:
@@ -628,7 +365,7 @@ class Engine:
                 if source is not None:
                     token = source(request.req_id, request.num_output)
                 else:
-                    token = pool[_mix64(request.uid + request.num_output) % pool_size]
+                    token = token_pool[mix64(request.uid + request.num_output) % pool_size]
                 request.token_ids.append(token)
                 out.new_token_ids.append(token)
             request.num_output += 1
@@ -651,19 +388,20 @@ class Engine:
         self._steps += 1
         self._busy += end - step.start
         self._pending.steps += 1
-        if self._events:
-            self._pending.kv_batches.append(self._take_batch(end))
+        batch = self._pool.take_batch(end)
+        if batch is not None:
+            self._pending.kv_batches.append(batch)
 
-    def _finish(self, request: _Request, now: float) -> None:
+    def _finish(self, request: RequestState, now: float) -> None:
         self._running.remove(request)
-        self._free_blocks(request)
+        self._pool.free_blocks(request)
         request.status = RequestStatus.FINISHED
         del self._requests[request.req_id]
         self._finished += 1
         stats = self._stats(request, now, "length")
         self._pending.outputs[request.req_id].stats = stats
 
-    def _stats(self, request: _Request, now: float, reason: str) -> RequestStats:
+    def _stats(self, request: RequestState, now: float, reason: str) -> RequestStats:
         return RequestStats(
             req_id=request.req_id,
             arrival_time=request.arrival,
@@ -676,9 +414,9 @@ class Engine:
             finish_reason=reason,
         )
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: RequestState) -> None:
         """vLLM's recompute preemption: free everything, back to the head of the queue."""
-        self._free_blocks(request)
+        self._pool.free_blocks(request)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
         request.num_cached_blocks = 0
@@ -687,201 +425,27 @@ class Engine:
         self._waiting.appendleft(request)
 
     # ------------------------------------------------------------------------------------------
-    # Block pool (vLLM `BlockPool`)
-
-    def _longest_cached_prefix(self, request: _Request) -> list[int]:
-        if not self.config.enable_prefix_caching:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.config.block_size
-        self._ensure_keys(request, max_blocks)
-        cached = self._cached
-        hits: list[int] = []
-        for key in islice(request.keys, max_blocks):
-            block = cached.get(key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _touch(self, blocks: list[int]) -> None:
-        ref = self._ref
-        free = self._free
-        for block in blocks:
-            if ref[block] == 0:
-                del free[block]
-            ref[block] += 1
-
-    def _take_free_blocks(self, request: _Request, count: int) -> None:
-        free = self._free
-        ref = self._ref
-        block_key = self._block_key
-        blocks = request.blocks
-        for _ in range(count):
-            block, _ = free.popitem(last=False)
-            key = block_key[block]
-            if key is not None:
-                self._evict(block, key)
-            ref[block] = 1
-            blocks.append(block)
-
-    def _evict(self, block: int, key: int) -> None:
-        self._block_key[block] = None
-        cached = self._cached
-        if cached.get(key) == block:
-            others = self._duplicates.get(key)
-            if others:
-                cached[key] = others.pop()
-                if not others:
-                    del self._duplicates[key]
-            else:
-                del cached[key]
-        else:
-            others = self._duplicates[key]
-            others.remove(block)
-            if not others:
-                del self._duplicates[key]
-        if self.config.emit_events:
-            self._events.append(BlockRemoved(block_hashes=(key,), medium=_MEDIUM, group_idx=0))
-
-    def _free_blocks(self, request: _Request) -> None:
-        ref = self._ref
-        free = self._free
-        for block in reversed(request.blocks):  # tail first, as vLLM frees
-            ref[block] -= 1
-            if ref[block] == 0:
-                free[block] = None
-        request.blocks = []
-
-    def _cache_full_blocks(self, request: _Request, num_tokens: int) -> None:
-        """vLLM's ``cache_blocks`` after ``allocate_slots``: newly full blocks enter the cache."""
-        if not self.config.enable_prefix_caching:
-            return
-        size = self.config.block_size
-        start = request.num_cached_blocks
-        end = min(num_tokens, request.num_tokens) // size
-        if end <= start:
-            return
-        self._ensure_keys(request, end)
-        keys = request.keys
-        blocks = request.blocks
-        block_key = self._block_key
-        cached = self._cached
-        for i in range(start, end):
-            block = blocks[i]
-            key = keys[i]
-            block_key[block] = key
-            if key in cached:
-                self._duplicates.setdefault(key, []).append(block)
-            else:
-                cached[key] = block
-        request.num_cached_blocks = end
-        if self.config.emit_events:
-            self._events.append(self._block_stored(request, start, end))
-
-    def _block_stored(self, request: _Request, start: int, end: int) -> BlockStored:
-        size = self.config.block_size
-        tokens = request.token_ids
-        lora = request.lora
-        salt = request.cache_salt
-        extra: list[tuple[Any, ...] | None] = []
-        for i in range(start, end):
-            # vLLM's to_event_extra_keys: the untagged projection of the hash's extra keys.
-            keys: tuple[Any, ...] = (lora.name,) if lora else ()
-            if i == 0 and salt:
-                keys = (*keys, salt)
-            extra.append(keys or None)
-        return BlockStored(
-            block_hashes=tuple(request.keys[start:end]),
-            parent_block_hash=request.keys[start - 1] if start > 0 else None,
-            token_ids=tuple(tokens[start * size : end * size]) if tokens is not None else (),
-            block_size=size,
-            lora_id=lora.int_id if lora else None,
-            medium=_MEDIUM,
-            lora_name=lora.name if lora else None,
-            extra_keys=tuple(extra),
-            group_idx=0,
-            kv_cache_spec_kind=_SPEC_KIND,
-        )
-
-    def _ensure_keys(self, request: _Request, count: int) -> None:
-        """Keys for the first ``count`` full blocks (the prompt's are known from the start;
-        blocks that include generated tokens are keyed when first needed)."""
-        keys = request.keys
-        if len(keys) >= count:
-            return
-        size = self.config.block_size
-        tokens = request.token_ids
-        digests = request.digests
-        while len(keys) < count:
-            i = len(keys)
-            if tokens is not None and digests is not None:
-                parent = digests[i - 1] if i else self._root_hash()
-                lora = request.lora
-                extra = extra_keys_for_block(
-                    i * size,
-                    (i + 1) * size,
-                    lora_name=lora.name if lora else None,
-                    lora_path=lora.path if lora else None,
-                    cache_salt=request.cache_salt,
-                )
-                digest = self._hash_config.hash_block(
-                    parent, tokens[i * size : (i + 1) * size], extra
-                )
-                digests.append(digest)
-                keys.append(event_key(digest))
-            else:
-                keys.append(_mix64((keys[i - 1] if i else 0) ^ _mix64(request.uid + i)))
-
-    def _prefix_hasher(self) -> PrefixHasher:
-        if self._hasher is None:
-            self._hasher = PrefixHasher(
-                self._hash_config, cache_blocks=self.config.hasher_cache_blocks
-            )
-        return self._hasher
-
-    def _root_hash(self) -> bytes:
-        if self._none_hash is None:
-            self._none_hash = self._hash_config.none_hash
-        return self._none_hash
-
-    # ------------------------------------------------------------------------------------------
     # Cache control and events
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``BlockPool.reset_prefix_cache``: forget every cached hash and queue
         ``AllBlocksCleared``, only when no request holds a block; False (nothing done) otherwise."""
-        if len(self._free) != self.config.num_gpu_blocks - 1:
-            return False
-        self._cached.clear()
-        self._duplicates.clear()
-        self._block_key = [None] * self.config.num_gpu_blocks
-        if self.config.emit_events:
-            self._events.append(AllBlocksCleared())
-        return True
+        return self._pool.reset()
 
     def take_events(self, now: float) -> KVEventBatch | None:
         """Events queued outside a step (a reset while idle) as one batch, or None.  vLLM would
         publish them with its next step; publishing at once keeps an idle pod's index honest."""
-        if not self._events:
-            return None
-        return self._take_batch(now)
-
-    def _take_batch(self, ts: float) -> KVEventBatch:
-        events, self._events = self._events, []
-        return KVEventBatch(
-            ts=ts, events=tuple(events), data_parallel_rank=self.config.data_parallel_rank
-        )
+        return self._pool.take_batch(now)
 
     # ------------------------------------------------------------------------------------------
     # Introspection
 
     def metrics(self) -> EngineMetrics:
-        usable = self.config.num_gpu_blocks - 1
         return EngineMetrics(
             num_requests_running=len(self._running),
             num_requests_waiting=len(self._waiting),
-            kv_cache_usage=1.0 - len(self._free) / usable,
-            num_cached_blocks=len(self._cached) + sum(len(v) for v in self._duplicates.values()),
+            kv_cache_usage=self._pool.usage(),
+            num_cached_blocks=self._pool.num_cached_blocks(),
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
             num_preemptions=self._preemptions,
@@ -894,7 +458,7 @@ class Engine:
 
     def cached_block_keys(self) -> set[int]:
         """Every hash the cache holds (what a perfect event consumer's index would hold)."""
-        return set(self._cached)
+        return self._pool.cached_block_keys()
 
     def request_stats(self, req_id: str) -> RequestStats | None:
         """Usage and timing so far of a request still in the engine."""

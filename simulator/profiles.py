@@ -2,8 +2,9 @@
 
 A profile answers two questions about one simulated vLLM pod: how much KV cache it holds, and how
 long one scheduler step (one forward pass over a continuous batch) takes.  The step-time model is a
-two-term roofline with an attention term, the form `kv-aware-routers.md` §8.3 gives for prefill
-(``α·n_new + β·n_new·(n_cached + n_new/2) + γ``) extended to mixed prefill/decode batches:
+two-term roofline with an attention term: the usual prefill-time model
+(``α·n_new + β·n_new·(n_cached + n_new/2) + γ``, linear in the new tokens plus their causal
+attention over the cached context and each other) extended to mixed prefill/decode batches:
 
     step = γ                                             fixed per-step overhead (scheduler, launch)
          + max(c0, α · tokens_in_step)                   linear layers: weight streaming floor c0,

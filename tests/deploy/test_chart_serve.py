@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer.events import BlockStored, KVEventBatch, encode_batch
 from indexer.hashing import block_hashes
+from launcher.ports import reserve_port
 from tests.deploy.chart import CHART_DIR, NAMESPACE, Helm, Rendered
 from tests.support.fake_kube import POOLS, FakeKubeApiServer
-from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +64,6 @@ def exported_metrics(text: str) -> set[str]:
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
     match = re.search(rf"^{name}(?:\{{[^}}]*{re.escape(labels)}[^}}]*\}})? (\S+)$", text, re.M)
     return float(match.group(1)) if match else None
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKubeApiServer]:
-    server = FakeKubeApiServer()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def _publish(
@@ -139,7 +130,7 @@ def _scrape(port: int) -> str:
 async def test_epp_runs_with_the_charts_args_config_and_pool(
     helm: Helm, kube: FakeKubeApiServer, tmp_path: Path, llama3_tokenizer_dir: Path
 ) -> None:
-    grpc_port, health_port, metrics_port, kv_port, model_port = (free_port() for _ in range(5))
+    grpc_port, health_port, metrics_port, kv_port, model_port = (reserve_port() for _ in range(5))
     values: dict[str, Any] = {
         "inferencePool": {"create": True},
         "modelServers": {"matchLabels": POD_LABELS, "targetPorts": [model_port]},

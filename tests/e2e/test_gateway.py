@@ -1,9 +1,9 @@
 """The product end to end: real Envoy → `epp serve` (ext_proc) → simulated vLLM pods that publish
 KV events over real ZMQ in vLLM's wire format and serve vLLM's /metrics.
 
-Everything runs as separate processes on loopback, started once for the module.  The EPP's
-configuration is pinned here (precise prefix, queue and KV utilization, weight 1 each) so these
-tests do not move when the default changes.  Equal weights on purpose: with the Inference
+Everything runs as separate processes on loopback, started once for the module by
+`launcher.stack`.  The EPP's configuration is pinned (`EQUAL_WEIGHTS_CONFIG`: precise prefix,
+queue and KV utilization, weight 1 each) so these tests do not move when the default changes.  Equal weights on purpose: with the Inference
 Extension's 3/2/2, a prefix match of 0.95 outweighs a full queue (3 × 0.95 > 2 × 1), so a hot
 prefix herds onto one pod until its KV cache fills; the load test below would measure that
 weakness instead of the weighing.
@@ -20,42 +20,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
-from simulator.launch import (
-    EppPorts,
-    PodPorts,
-    ProcessGroup,
-    epp_command,
-    pod_command,
-    spawn,
-    start_loopback_envoy,
-    wait_grpc_ready,
-    wait_http,
-)
+from launcher.stack import MODEL, Stack
+from launcher.traffic import words
 
 pytestmark = pytest.mark.slow
 
-MODEL = "e2e-llama3"
-CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters: {{tokenizer: "{tokenizer}"}}
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 1}}
-  - {{pluginRef: queue-scorer, weight: 1}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
-"""
-
 
 @dataclass
-class Stack:
+class Fleet:
     gateway: str
     pods: list[str]
     epp_metrics: str
@@ -63,52 +36,17 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("e2e")
-    procs = ProcessGroup()
-    try:
-        pod_ports = [PodPorts.free() for _ in range(2)]
-        for i, ports in enumerate(pod_ports):
-            options = ["--speedup", "5", "--max-num-seqs", "2"]
-            command = pod_command(
-                ports, model=MODEL, tokenizer=llama3_tokenizer_dir, seed=i, options=options
-            )
-            procs.add(f"pod-{i}", spawn(command, work / f"pod-{i}.log"))
-        for i, (ports, (_, proc)) in enumerate(zip(pod_ports, procs.procs, strict=True)):
-            asyncio.run(wait_http(f"http://{ports.address}/health", proc, work / f"pod-{i}.log"))
-        endpoints = [ports.endpoint() for ports in pod_ports]
-        (work / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
-        (work / "config.yaml").write_text(CONFIG.format(tokenizer=llama3_tokenizer_dir))
-        epp_ports = EppPorts.free()
-        serve_options = [
-            "--endpoints-file",
-            str(work / "endpoints.yaml"),
-            "--config-file",
-            str(work / "config.yaml"),
-            "--drain-timeout",
-            "1s",
-        ]
-        epp_log = work / "epp.log"
-        epp = procs.add("epp", spawn(epp_command(epp_ports, serve_options), epp_log))
-        wait_grpc_ready(epp_ports.health, epp, epp_log)
-        procs.envoy = start_loopback_envoy(epp_ports.grpc, work)
-        yield Stack(
-            f"http://127.0.0.1:{procs.envoy.listen_port}",
-            [ports.address for ports in pod_ports],
-            epp_ports.metrics_url,
-            work,
+    pod_args = ["--speedup", "5", "--max-num-seqs", "2"]
+    with Stack.start(work, llama3_tokenizer_dir, pods=2, pod_args=pod_args) as started:
+        yield Fleet(
+            started.gateway, [pod.address for pod in started.pods], started.metrics_url, work
         )
-    finally:
-        procs.stop()
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _words(seed: int, n: int) -> str:
-    vocab = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
-    return " ".join(vocab[(seed * 7 + i * 13 + i * i) % len(vocab)] for i in range(n))
 
 
 async def _served_counts(pods: list[str]) -> dict[str, float]:
@@ -160,7 +98,7 @@ async def _chat(
         return r.status, await r.json(content_type=None)
 
 
-async def _which_pod(stack: Stack, messages: list[dict[str, str]]) -> tuple[str, dict[str, object]]:
+async def _which_pod(stack: Fleet, messages: list[dict[str, str]]) -> tuple[str, dict[str, object]]:
     before = await _served_counts(stack.pods)
     status, reply = await _chat(stack.gateway, messages)
     assert status == 200, reply
@@ -184,10 +122,10 @@ async def _until(predicate: object, timeout: float = 10.0) -> None:
 # tests
 
 
-async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Stack) -> None:
+async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Fleet) -> None:
     for conversation in range(4):
-        system = {"role": "system", "content": _words(conversation, 400)}
-        first = [system, {"role": "user", "content": "first question " + _words(99, 10)}]
+        system = {"role": "system", "content": words(conversation, 400)}
+        first = [system, {"role": "user", "content": "first question " + words(99, 10)}]
         entries_before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
         holder, _ = await _which_pod(stack, first)
         answered = time.monotonic()
@@ -208,7 +146,7 @@ async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Stack
         follow_up = [
             *first,
             {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "second question " + _words(98, 10)},
+            {"role": "user", "content": "second question " + words(98, 10)},
         ]
         served, reply = await _which_pod(stack, follow_up)
         assert served == holder, (
@@ -219,13 +157,13 @@ async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Stack
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 400  # the engine saw the hit
 
 
-async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Stack) -> None:
-    system = {"role": "system", "content": _words(1234, 300)}
+async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Fleet) -> None:
+    system = {"role": "system", "content": words(1234, 300)}
     holder, _ = await _which_pod(stack, [system, {"role": "user", "content": "warm up"}])
     other = next(p for p in stack.pods if p != holder)
     # Load the holder behind the EPP's back (as another gateway's traffic would): each pod runs
     # two requests at a time, so the rest wait in its queue, which the EPP scrapes.
-    body = {"model": MODEL, "prompt": _words(7, 200), "max_tokens": 400}
+    body = {"model": MODEL, "prompt": words(7, 200), "max_tokens": 400}
 
     async def direct() -> None:
         async with (
@@ -263,7 +201,7 @@ async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Stack) -> No
     ],
 )
 async def test_bad_requests_get_400_naming_the_problem(
-    stack: Stack, body: bytes, message: str
+    stack: Fleet, body: bytes, message: str
 ) -> None:
     async with (
         aiohttp.ClientSession() as s,
@@ -277,13 +215,13 @@ async def test_bad_requests_get_400_naming_the_problem(
         assert message in await r.text()
 
 
-async def test_streaming_responses_pass_through_intact(stack: Stack) -> None:
+async def test_streaming_responses_pass_through_intact(stack: Fleet) -> None:
     body = {
         "model": MODEL,
         "stream": True,
         "max_tokens": 25,
         "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "stream please " + _words(5, 50)}],
+        "messages": [{"role": "user", "content": "stream please " + words(5, 50)}],
     }
     async with (
         aiohttp.ClientSession() as s,

@@ -54,6 +54,15 @@ def types(config: EndpointPickerConfig) -> dict[str, str]:
     return {spec.name: spec.type for spec in config.plugins}
 
 
+def queue_scorer_profile(*entries: str) -> str:
+    """A config declaring queue-scorer, and one profile listing ``entries`` (YAML flow mappings)."""
+    listed = "".join(f"  - {entry}\n" for entry in entries)
+    return (
+        "plugins:\n- type: queue-scorer\n"
+        f"schedulingProfiles:\n- name: default\n  plugins:\n{listed}"
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # Loading and defaults
 
@@ -189,7 +198,7 @@ def test_resolving_is_idempotent() -> None:
 def test_inference_extension_helm_default_loads_unchanged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """GIE-final `config/charts/epplib/templates/_config.yaml` (anchors §3.2)."""
+    """GIE-final `config/charts/epplib/templates/_config.yaml` (docs/design.md, "Configuration")."""
     with caplog.at_level(logging.WARNING):
         config = load(
             """
@@ -224,8 +233,9 @@ def test_inference_extension_helm_default_loads_unchanged(
 
 
 def test_llm_d_style_config_with_old_names() -> None:
-    """llm-d v0.3's precise example (anchors §3.2) with the approximate scorer in place of the
-    precise one: old type names, float weights, handler and picker declared."""
+    """llm-d v0.3's precise example (docs/design.md, "Configuration") with the approximate
+    scorer in place of the precise one: old type names, float weights, handler and picker
+    declared."""
     config = load(
         """
         plugins:
@@ -378,17 +388,7 @@ def test_parameter_of_wrong_type() -> None:
 
 
 def test_undeclared_plugin_ref() -> None:
-    found = problems(
-        """
-        plugins:
-        - type: queue-scorer
-        schedulingProfiles:
-        - name: default
-          plugins:
-          - pluginRef: queue-scorer
-          - pluginRef: foo
-        """
-    )
+    found = problems(queue_scorer_profile("{pluginRef: queue-scorer}", "{pluginRef: foo}"))
     assert found == (
         "schedulingProfiles[0].plugins[1].pluginRef: 'foo' is not a declared plugin; "
         "declared plugins: queue-scorer",
@@ -411,17 +411,7 @@ def test_duplicate_plugin_names() -> None:
 
 
 def test_negative_weight() -> None:
-    found = problems(
-        """
-        plugins:
-        - type: queue-scorer
-        schedulingProfiles:
-        - name: default
-          plugins:
-          - pluginRef: queue-scorer
-            weight: -1
-        """
-    )
+    found = problems(queue_scorer_profile("{pluginRef: queue-scorer, weight: -1}"))
     assert found == (
         "schedulingProfiles[0].plugins[0].weight: Input should be greater than or equal to 0 "
         "(got -1)",
@@ -430,10 +420,7 @@ def test_negative_weight() -> None:
 
 @pytest.mark.parametrize("weight", [".nan", ".inf", "heavy"])
 def test_weight_must_be_a_finite_number(weight: str) -> None:
-    found = problems(
-        f"plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
-        f"  - {{pluginRef: queue-scorer, weight: {weight}}}\n"
-    )
+    found = problems(queue_scorer_profile(f"{{pluginRef: queue-scorer, weight: {weight}}}"))
     assert len(found) == 1
     assert found[0].startswith("schedulingProfiles[0].plugins[0].weight: ")
 
@@ -533,26 +520,28 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "(4 problems):\n  plugins[0].type" in str(info.value)
 
 
-def test_two_pickers_in_a_profile() -> None:
-    found = problems(
-        """
-        plugins:
-        - type: max-score-picker
-        - type: random-picker
-        schedulingProfiles:
-        - name: default
-          plugins: [{pluginRef: max-score-picker}, {pluginRef: random-picker}]
-        """
-    )
-    assert found == (
-        "schedulingProfiles[0].plugins: 2 pickers (max-score-picker, random-picker); a profile "
-        "uses exactly one",
-    )
-
-
-def test_two_pickers_and_no_profiles() -> None:
-    (problem,) = problems("plugins:\n- type: max-score-picker\n- type: random-picker\n")
-    assert problem.startswith("schedulingProfiles: none given, so every declared filter")
+@pytest.mark.parametrize(
+    ("profiles", "expected"),
+    [
+        pytest.param(
+            "schedulingProfiles:\n- name: default\n"
+            "  plugins: [{pluginRef: max-score-picker}, {pluginRef: random-picker}]\n",
+            "schedulingProfiles[0].plugins: 2 pickers (max-score-picker, random-picker); a profile "
+            "uses exactly one",
+            id="in-a-profile",
+        ),
+        pytest.param(
+            "",
+            "schedulingProfiles: none given, so every declared filter, scorer and picker goes into "
+            "one 'default' profile, but 2 pickers are declared (max-score-picker, random-picker); "
+            "declare one picker or write the profiles",
+            id="and-no-profiles",
+        ),
+    ],
+)
+def test_two_pickers(profiles: str, expected: str) -> None:
+    plugins = "plugins:\n- type: max-score-picker\n- type: random-picker\n"
+    assert problems(plugins + profiles) == (expected,)
 
 
 def test_several_profiles_need_a_handler() -> None:
@@ -572,21 +561,28 @@ def test_several_profiles_need_a_handler() -> None:
     )
 
 
-def test_profile_handler_cannot_be_in_a_profile() -> None:
+@pytest.mark.parametrize(
+    ("plugin_type", "why"),
+    [
+        (
+            "single-profile-handler",
+            "(single-profile-handler) is not a filter, scorer or picker, so it cannot be part of "
+            "a profile; profile handlers are declared in plugins only",
+        ),
+        (
+            "metrics-data-source",
+            "is a data-layer plugin this EPP ignores (model server metrics are scraped natively); "
+            "remove it from the profile",
+        ),
+    ],
+    ids=["profile-handler", "ignored-data-layer-plugin"],
+)
+def test_plugin_type_that_cannot_be_in_a_profile(plugin_type: str, why: str) -> None:
     (problem,) = problems(
-        """
-        plugins:
-        - type: single-profile-handler
-        schedulingProfiles:
-        - name: default
-          plugins: [{pluginRef: single-profile-handler}]
-        """
+        f"plugins:\n- type: {plugin_type}\n"
+        f"schedulingProfiles:\n- name: default\n  plugins: [{{pluginRef: {plugin_type}}}]\n"
     )
-    assert problem == (
-        "schedulingProfiles[0].plugins[0].pluginRef: 'single-profile-handler' "
-        "(single-profile-handler) is not a filter, scorer or picker, so it cannot be part of a "
-        "profile; profile handlers are declared in plugins only"
-    )
+    assert problem == f"schedulingProfiles[0].plugins[0].pluginRef: '{plugin_type}' {why}"
 
 
 def test_two_profile_handlers() -> None:
@@ -616,21 +612,6 @@ def test_duplicate_profiles_and_refs() -> None:
         "schedulingProfiles[0].plugins[1].pluginRef: 'queue-scorer' is listed twice in this "
         "profile",
         "schedulingProfiles[1].name: duplicate profile name 'default' (also schedulingProfiles[0])",
-    )
-
-
-def test_ignored_plugin_type_cannot_be_in_a_profile() -> None:
-    (problem,) = problems(
-        """
-        plugins:
-        - type: metrics-data-source
-        schedulingProfiles:
-        - name: default
-          plugins: [{pluginRef: metrics-data-source}]
-        """
-    )
-    assert problem.startswith(
-        "schedulingProfiles[0].plugins[0].pluginRef: 'metrics-data-source' is a data-layer plugin"
     )
 
 

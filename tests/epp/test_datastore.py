@@ -8,14 +8,7 @@ from hypothesis import strategies as st
 
 from epp.datastore import Datastore, EndpointSpec, InFlightRequest
 from scorers.base import Endpoint, EndpointMetrics, EndpointSource
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 class Recorder:
@@ -233,7 +226,7 @@ def test_counts_never_negative_and_return_to_zero(ops: list[tuple[str, int, int]
 
 
 def test_never_scraped_is_stale_then_fresh_then_stale_again() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     ds = Datastore(staleness_threshold=0.25, clock=clock)  # binary-exact steps below
     ds.upsert(EndpointSpec(address=A))
     assert ds.endpoints()[0].metrics_stale
@@ -268,7 +261,7 @@ def test_bad_threshold_is_rejected() -> None:
 
 
 def test_pool_stats_average_only_fresh_endpoints() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     ds = Datastore(clock=clock)
     ds.apply_specs(
         [EndpointSpec(address=A), EndpointSpec(address=B), EndpointSpec(address="10.0.0.3:8000")]

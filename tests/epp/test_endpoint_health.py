@@ -4,7 +4,6 @@ leave them out of candidates (fail-open when none answers), and they come back o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,11 +18,9 @@ from tests.epp.test_scraping import FakeVllm, eventually
 
 
 @pytest.fixture
-async def pod() -> AsyncIterator[FakeVllm]:
-    server = FakeVllm()
-    await server.start()
-    yield server
-    await server.stop()
+def pod(vllm_server: FakeVllm) -> FakeVllm:
+    """The watched pod: a started fake vLLM (`tests/epp/conftest.py`)."""
+    return vllm_server
 
 
 def _watching(

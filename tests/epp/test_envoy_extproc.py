@@ -23,11 +23,12 @@ import yaml
 
 from epp.envoy_bootstrap import EnvoyNotInstalledError, envoy_binary, render_envoy_config
 from epp.extproc import ExtProcServer, RoutingDecision, start_extproc_server
+from launcher.ports import reserve_port
 from scorers.base import AllEndpointsFilteredError, LLMRequest, NoReadyEndpointsError, Usage
-from tests.support.backends import Backend, sse_chunks, start_backend
+from tests.support.backends import Backend, ReceivedRequest, sse_chunks, start_backend
 from tests.support.envoy import EnvoyProcess, start_envoy, validate_config
 from tests.support.loop import LoopThread
-from tests.support.ports import free_port, wait_for_port
+from tests.support.ports import wait_for_port
 
 pytestmark = pytest.mark.slow
 
@@ -133,11 +134,26 @@ class Gateway:
         finally:
             connection.close()
 
+    def request_ok(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> bytes:
+        """``request``, which must be answered 200; the reply's body."""
+        status, _, reply = self.request(method, path, body, headers)
+        assert status == 200, reply
+        return reply
+
     def completed(self, key: str) -> tuple[Usage | None, int]:
         """Wait for the router to hear that ``key``'s response completed; exactly once."""
         wait_until(lambda: key in self.router.completions, f"response_complete for {key}")
         (completion,) = self.router.completions[key]
         return completion
+
+    def received(self, backend: str, key: str) -> ReceivedRequest:
+        """The one request ``backend`` received with ``x-test-key: key`` (exactly one)."""
+        (received,) = [
+            r for r in self.backend(backend).received if r.headers.get("x-test-key") == key
+        ]
+        return received
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -169,7 +185,7 @@ def stack() -> Iterator[Stack]:
 
 
 def _gateway(stack: Stack, tmp_path: Path, mode: Any) -> Iterator[Gateway]:
-    listen_port, admin_port = free_port(), free_port()
+    listen_port, admin_port = reserve_port(), reserve_port()
     config = render_envoy_config(
         listen_port=listen_port,
         extproc_port=stack.extproc.port,
@@ -251,17 +267,14 @@ def test_rendered_config_rejects_unsupported_body_modes() -> None:
 
 def test_request_goes_to_the_chosen_backend_with_the_exact_body(gateway: Gateway) -> None:
     body = completion("route me")
-    status, _, reply = gateway.request(
+    reply = gateway.request_ok(
         "POST",
         "/v1/completions",
         body,
         {"content-type": "application/json", "x-test-key": "basic", "x-test-targets": "b1"},
     )
-    assert status == 200, reply
     assert json.loads(reply)["backend"] == "b1"
-    (received,) = [
-        r for r in gateway.backend("b1").received if r.headers.get("x-test-key") == "basic"
-    ]
+    received = gateway.received("b1", "basic")
     assert received.body == body
     assert received.headers["x-gateway-destination-endpoint"] == gateway.backend("b1").address
     assert received.headers["x-request-id"]  # Envoy's or ours, always present upstream
@@ -273,16 +286,13 @@ def test_large_bodies_arrive_byte_identical(gateway: Gateway) -> None:
     messages = [{"role": "user", "content": "é—ü " * 40_000}]  # multi-byte UTF-8, ~360 KB
     body = json.dumps({"model": "m", "messages": messages}, ensure_ascii=False).encode()
     assert len(body) > 5 * 62_000
-    status, _, reply = gateway.request(
+    reply = gateway.request_ok(
         "POST",
         "/v1/chat/completions",
         body,
         {"x-test-key": "large", "x-test-targets": "b0"},
     )
-    assert status == 200, reply
-    (received,) = [
-        r for r in gateway.backend("b0").received if r.headers.get("x-test-key") == "large"
-    ]
+    received = gateway.received("b0", "large")
     assert received.body == body
     assert json.loads(reply)["body_len"] == len(body)
     gateway.completed("large")
@@ -291,14 +301,11 @@ def test_large_bodies_arrive_byte_identical(gateway: Gateway) -> None:
 @pytest.mark.parametrize(("names", "served_by"), [("b0,b1", "b0"), ("b1,b0", "b1")])
 def test_fallbacks_are_listed_primary_first(gateway: Gateway, names: str, served_by: str) -> None:
     key = f"fallback-{names}"
-    status, _, reply = gateway.request(
+    reply = gateway.request_ok(
         "POST", "/v1/completions", completion(), {"x-test-key": key, "x-test-targets": names}
     )
-    assert status == 200, reply
     assert json.loads(reply)["backend"] == served_by
-    (received,) = [
-        r for r in gateway.backend(served_by).received if r.headers.get("x-test-key") == key
-    ]
+    received = gateway.received(served_by, key)
     expected = ",".join(gateway.backend(n).address for n in names.split(","))
     assert received.headers["x-gateway-destination-endpoint"] == expected
     gateway.completed(key)
@@ -306,20 +313,17 @@ def test_fallbacks_are_listed_primary_first(gateway: Gateway, names: str, served
 
 def test_body_less_get_is_routed_by_load(gateway: Gateway) -> None:
     # A client-sent destination is dropped before the EPP runs; only the EPP decides.
-    status, _, reply = gateway.request(
+    reply = gateway.request_ok(
         "GET",
         "/v1/models",
         None,
         {"x-test-key": "get", "x-gateway-destination-endpoint": "127.0.0.1:1"},
     )
-    assert status == 200, reply
     how, targets = gateway.router.decisions["get"]
     assert how == "route_without_body"
     served_by = json.loads(reply)["backend"]
     assert targets == (gateway.backend(served_by).address,)
-    (received,) = [
-        r for r in gateway.backend(served_by).received if r.headers.get("x-test-key") == "get"
-    ]
+    received = gateway.received(served_by, "get")
     assert received.method == "GET" and received.body == b""
     assert received.headers["x-gateway-destination-endpoint"] == targets[0]
     gateway.completed("get")
@@ -417,16 +421,11 @@ def test_every_routed_request_completed_exactly_once(gateway: Gateway) -> None:
 
 def test_buffered_mode_routes_with_the_body_untouched(buffered_gateway: Gateway) -> None:
     body = completion("b" * 200_000)
-    status, _, reply = buffered_gateway.request(
+    reply = buffered_gateway.request_ok(
         "POST", "/v1/completions", body, {"x-test-key": "buffered", "x-test-targets": "b1,b0"}
     )
-    assert status == 200, reply
     assert json.loads(reply)["backend"] == "b1"
-    (received,) = [
-        r
-        for r in buffered_gateway.backend("b1").received
-        if r.headers.get("x-test-key") == "buffered"
-    ]
+    received = buffered_gateway.received("b1", "buffered")
     assert received.body == body
     assert received.headers["content-length"] == str(len(body))
     assert buffered_gateway.completed("buffered") == (BACKEND_USAGE, 200)

@@ -53,14 +53,6 @@ Factory = Callable[..., Awaitable[tuple[Datastore, KubernetesDiscovery]]]
 
 
 @pytest.fixture
-async def kube() -> AsyncIterator[FakeKubeApiServer]:
-    server = FakeKubeApiServer()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def start_discovery(kube: FakeKubeApiServer) -> AsyncIterator[Factory]:
     started: list[tuple[KubernetesDiscovery, Any]] = []
 
@@ -81,6 +73,23 @@ async def start_discovery(kube: FakeKubeApiServer) -> AsyncIterator[Factory]:
     for discovery, api in started:
         await discovery.stop()
         api.close()
+
+
+def put_pool_with_pod_a(kube: FakeKubeApiServer) -> None:
+    """Pool "pool" selecting the VLLM pods on port 8000, and one ready such pod "a" at 10.0.0.1."""
+    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
+    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+
+
+@pytest.fixture
+async def discovered_pod_a(
+    kube: FakeKubeApiServer, start_discovery: Factory
+) -> tuple[Datastore, KubernetesDiscovery]:
+    """A started discovery whose datastore holds pod "a" (`put_pool_with_pod_a`)."""
+    put_pool_with_pod_a(kube)
+    ds, discovery = await start_discovery()
+    await eventually(lambda: addresses(ds) == ["10.0.0.1:8000"])
+    return ds, discovery
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +182,7 @@ async def test_two_target_ports_give_two_endpoints_per_pod(
 
 
 async def test_pool_changes_resync(kube: FakeKubeApiServer, start_discovery: Factory) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    put_pool_with_pod_a(kube)
     kube.put_pod("b", labels={"app": "vllm2"}, ip="10.0.0.2")
     ds, _ = await start_discovery()
     await eventually(lambda: addresses(ds) == ["10.0.0.1:8000"])
@@ -239,12 +247,9 @@ async def test_v1alpha2_pool_with_flat_selector(
 
 
 async def test_invalid_pool_update_keeps_previous_endpoints(
-    kube: FakeKubeApiServer, start_discovery: Factory
+    kube: FakeKubeApiServer, discovered_pod_a: tuple[Datastore, KubernetesDiscovery]
 ) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
-    ds, _ = await start_discovery()
-    await eventually(lambda: addresses(ds) == ["10.0.0.1:8000"])
+    ds, _ = discovered_pod_a
     kube.put(POOLS, {"metadata": {"name": "pool"}, "spec": {"selector": {"matchLabels": {}}}})
     await asyncio.sleep(0.3)
     assert ds.synced and addresses(ds) == ["10.0.0.1:8000"]
@@ -258,12 +263,9 @@ async def test_invalid_pool_update_keeps_previous_endpoints(
 
 @pytest.mark.parametrize("mode", ["close", "gone", "error"])
 async def test_broken_watches_recover_and_converge(
-    kube: FakeKubeApiServer, start_discovery: Factory, mode: Any
+    kube: FakeKubeApiServer, discovered_pod_a: tuple[Datastore, KubernetesDiscovery], mode: Any
 ) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
-    ds, discovery = await start_discovery()
-    await eventually(lambda: addresses(ds) == ["10.0.0.1:8000"])
+    ds, discovery = discovered_pod_a
     await eventually(lambda: kube.open_watches(PODS) == 1 and kube.open_watches(POOLS) == 1)
     lists = kube.list_requests(PODS)
 
@@ -285,12 +287,9 @@ async def test_broken_watches_recover_and_converge(
 
 
 async def test_expired_resource_version_relists(
-    kube: FakeKubeApiServer, start_discovery: Factory
+    kube: FakeKubeApiServer, discovered_pod_a: tuple[Datastore, KubernetesDiscovery]
 ) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
-    ds, discovery = await start_discovery()
-    await eventually(lambda: addresses(ds) == ["10.0.0.1:8000"])
+    ds, discovery = discovered_pod_a
     await eventually(lambda: kube.open_watches(PODS) == 1)
     lists = kube.list_requests(PODS)
     kube.put_pod("b", labels=VLLM, ip="10.0.0.2")
@@ -304,8 +303,7 @@ async def test_expired_resource_version_relists(
 async def test_repeated_410_backs_off_instead_of_hammering(
     kube: FakeKubeApiServer, start_discovery: Factory
 ) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    put_pool_with_pod_a(kube)
     kube.compacted_rv = 10**9  # every watch is answered with 410
     ds, discovery = await start_discovery(backoff_initial=0.05, backoff_max=0.4)
     await eventually(lambda: ds.synced and addresses(ds) == ["10.0.0.1:8000"])
@@ -321,8 +319,7 @@ async def test_repeated_410_backs_off_instead_of_hammering(
 async def test_api_errors_back_off_and_recover(
     kube: FakeKubeApiServer, start_discovery: Factory
 ) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    put_pool_with_pod_a(kube)
     kube.fail_next(3, status=500, path_contains="/pods")
     kube.fail_next(2, status=503, path_contains="/inferencepools")
     ds, discovery = await start_discovery()
@@ -347,8 +344,7 @@ async def test_watch_timeout_rewatches(kube: FakeKubeApiServer, start_discovery:
 
 
 async def test_stop_is_prompt_and_final(kube: FakeKubeApiServer, start_discovery: Factory) -> None:
-    kube.put_pool("pool", match_labels=VLLM, ports=[8000])
-    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    put_pool_with_pod_a(kube)
     ds, discovery = await start_discovery()
     await eventually(lambda: kube.open_watches() == 2)
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """The vLLM /metrics parser and the scraper.
 
 Pages are built with prometheus_client itself (the library vLLM uses to serve them), with the
-metric names, labels and histogram buckets of vLLM 0.33 (VLLM-INTEROP.md §6), so escaping,
+metric names, labels and histogram buckets of vLLM 0.33 (docs/vllm-interop.md §6), so escaping,
 ``_total`` / ``_created`` suffixes and label order are what a real server sends.
 
 ``python -m tests.epp.test_scraping`` times the parser against prometheus_client's on such a page.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -318,14 +318,6 @@ class FakeVllm:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-
-@pytest.fixture
-async def vllm_server() -> AsyncIterator[FakeVllm]:
-    server = FakeVllm()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -1,4 +1,4 @@
-"""Block hashes must equal vLLM's bit for bit: every golden vector, read from the shared file."""
+"""Block hashes must equal vLLM's bit for bit: every golden vector, read from ``tests/data``."""
 
 from __future__ import annotations
 

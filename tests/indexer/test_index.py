@@ -322,7 +322,7 @@ def test_a_pod_with_smaller_blocks_is_rekeyed_exactly_across_events() -> None:
 
 def test_hybrid_model_blocks_are_diagnosed_and_rekeyed(caplog: pytest.LogCaptureFixture) -> None:
     # A hybrid model hashes at 16 tokens but reports 64-token KV blocks with the last hash of
-    # each (VLLM-INTEROP §3).
+    # each (docs/vllm-interop.md §3).
     index = KVBlockIndex(hash_config=OURS)
     prompt = _tokens(128)
     fine = block_hashes(prompt, block_size=16, algo="sha256_cbor")

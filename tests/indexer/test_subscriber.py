@@ -2,9 +2,9 @@
 
 `FakeVLLMPod` publishes exactly what vLLM's ``ZmqEventPublisher`` sends (``[topic, seq8, payload]``
 on a PUB) and answers replay requests on a ROUTER as ``_service_replay`` does, in the >= 0.26 and
-the <= 0.25 reply layouts (VLLM-INTEROP §4.2, §4.4).  Batch identity travels in the payload: the
-first block hash is ``generation * 1_000_000 + seq``, so the sink can tell what it got and a
-restarted pod's seq 0 from the old one's.
+the <= 0.25 reply layouts (docs/vllm-interop.md §4.2, §4.4).  Batch identity travels in the
+payload: the first block hash is ``generation * 1_000_000 + seq``, so the sink can tell what it
+got and a restarted pod's seq 0 from the old one's.
 """
 
 from __future__ import annotations
@@ -265,6 +265,27 @@ async def publish_and_wait(pod: FakeVLLMPod, sink: RecordingSink, endpoint: str,
     return last
 
 
+async def subscribe(pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod) -> int:
+    """Add ``pod`` to ``pool`` as "pod-a" (with its replay socket, if it has one) and publish
+    until the subscription is live; returns the last seq published."""
+    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+    return await publish_until_delivered(pod, sink, "pod-a")
+
+
+def stats_of(pool: SubscriberPool, endpoint: str = "pod-a") -> FeedStats:
+    stats = pool.endpoint_stats(endpoint)
+    assert stats is not None, f"no stats for {endpoint}"
+    return stats
+
+
+@pytest.fixture
+async def pod(pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory) -> FakeVLLMPod:
+    """A fake pod (with replay) that ``pool`` subscribes to as "pod-a", its stream live."""
+    pod = await new_pod()
+    await subscribe(pool, sink, pod)
+    return pod
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-endpoint mode.
 
@@ -276,15 +297,13 @@ async def test_in_order_delivery_with_history_from_replay(
     pod = await new_pod(layout=layout)
     for _ in range(3):
         await pod.publish()  # before anyone subscribed: lost on the PUB, kept in the buffer
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     last = await publish_and_wait(pod, sink, "pod-a", 20)
 
     # What was published before the subscription came from the first-contact replay.
     assert sink.applied("pod-a") == list(range(last + 1))
     assert pod.replay_requests == [0]
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert stats.batches_applied == stats.events == last + 1
     assert stats.batches_replayed >= 4
     assert stats.gaps_detected == stats.decode_errors == stats.malformed_frames == 0
@@ -305,17 +324,13 @@ async def test_an_idle_pods_history_is_fetched_when_the_sub_connects(
     # The live stream then continues from there, each batch once.
     last = await publish_and_wait(pod, sink, "pod-a", 3)
     assert sink.applied("pod-a") == list(range(last + 1))
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.resyncs, stats.gaps_detected, stats.restarts_detected) == (1, 0, 0)
 
 
 async def test_live_messages_during_a_replay_are_held_and_applied_once_in_order(
-    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+    pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod
 ) -> None:
-    pod = await new_pod()
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
     await publish_and_wait(pod, sink, "pod-a", 2)
 
     pod.reply_delay_s = 0.1
@@ -326,8 +341,7 @@ async def test_live_messages_during_a_replay_are_held_and_applied_once_in_order(
     last = await publish_and_wait(pod, sink, "pod-a", 5)  # published while the reply waits
 
     assert sink.applied("pod-a") == list(range(last + 1))
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert stats.gaps_recovered == 1
     assert stats.duplicates_dropped >= 6  # the held live copies of replayed batches
 
@@ -336,8 +350,7 @@ async def test_in_order_delivery_without_replay(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
     pod = await new_pod(replay=False)
-    pool.add_endpoint("pod-a", pod.pub_url, None)
-    first = await publish_until_delivered(pod, sink, "pod-a")
+    first = await subscribe(pool, sink, pod)
     last = await publish_and_wait(pod, sink, "pod-a", 20)
 
     applied = sink.applied("pod-a")
@@ -351,8 +364,7 @@ async def test_dropped_batch_is_recovered_by_replay_in_order(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory, layout: Layout
 ) -> None:
     pod = await new_pod(layout=layout)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     await publish_and_wait(pod, sink, "pod-a", 3)
 
     dropped = await pod.publish(live=False)
@@ -361,8 +373,7 @@ async def test_dropped_batch_is_recovered_by_replay_in_order(
 
     assert sink.applied("pod-a") == list(range(last + 1))
     assert pod.replay_requests[-1] == dropped
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
     assert stats.batches_replayed >= 2
 
@@ -376,8 +387,7 @@ async def test_gaps_beyond_the_replay_budget_are_repaired_by_one_later_replay(
     config = SubscriberConfig(reconnect_ivl_ms=20, replay_burst=1, replay_interval_s=0.3)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod()
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await publish_until_delivered(pod, sink, "pod-a")
+        await subscribe(pool, sink, pod)
         await asyncio.sleep(0.35)  # one token back
         lost = []
         for _ in range(5):  # each gap seen on its own, faster than the budget refills
@@ -391,8 +401,7 @@ async def test_gaps_beyond_the_replay_budget_are_repaired_by_one_later_replay(
         deferred = [seq for seq in lost if applied.index(seq) > applied.index(seq + 1)]
         assert deferred, "no gap waited for the budget"
         assert applied[-(last + 1 - deferred[0]) :] == list(range(deferred[0], last + 1))
-        stats = pool.endpoint_stats("pod-a")
-        assert stats is not None
+        stats = stats_of(pool)
         assert stats.gaps_detected == 5
         assert (stats.gaps_recovered, stats.gaps_unrecovered) == (5, 0)
         assert stats.replays_rate_limited >= 1
@@ -403,8 +412,7 @@ async def test_gap_without_replay_is_counted_and_processing_continues(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
     pod = await new_pod(replay=False)
-    pool.add_endpoint("pod-a", pod.pub_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
 
     dropped = await pod.publish(live=False)
     last = await publish_and_wait(pod, sink, "pod-a", 3)
@@ -412,8 +420,7 @@ async def test_gap_without_replay_is_counted_and_processing_continues(
     applied = sink.applied("pod-a")
     assert dropped not in applied
     assert applied[-3:] == [dropped + 1, dropped + 2, last]
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.gaps_detected, stats.gaps_unrecovered, stats.replays_requested) == (1, 1, 0)
 
 
@@ -426,24 +433,21 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
     config = SubscriberConfig(replay_timeout_s=0.2, replay_interval_s=1.0, reconnect_ivl_ms=20)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod()
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await publish_until_delivered(pod, sink, "pod-a")
+        await subscribe(pool, sink, pod)
 
         pod.answer_replays = False
         lost = await pod.publish(live=False)
         last = await publish_and_wait(pod, sink, "pod-a", 3)
         assert lost not in sink.applied("pod-a")
         assert sink.applied("pod-a")[-3:] == [lost + 1, lost + 2, last]
-        stats = pool.endpoint_stats("pod-a")
-        assert stats is not None
+        stats = stats_of(pool)
         assert (stats.gaps_unrecovered, stats.replays_failed) == (0, 1)
 
         pod.answer_replays = True  # answers again (the replay socket was replaced meanwhile)
         await wait_until(lambda: lost in sink.applied("pod-a"), "the repair")
         applied = sink.applied("pod-a")
         assert applied[applied.index(lost) :] == list(range(lost, last + 1))
-        stats = pool.endpoint_stats("pod-a")
-        assert stats is not None
+        stats = stats_of(pool)
         assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
 
         # Once a replay got no answer, a later gap goes to the pending repair, not a replay
@@ -462,8 +466,7 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
             lambda: (pool.endpoint_stats("pod-a") or FeedStats()).gaps_unrecovered == 2,
             "the repair given up",
         )
-        stats = pool.endpoint_stats("pod-a")
-        assert stats is not None
+        stats = stats_of(pool)
         assert (stats.replays_failed, stats.gaps_recovered) == (3, 1)
         assert stats.replays_requested - requests_before == 2  # the first gap's, one repair
         assert lost not in sink.applied("pod-a") and lost_too not in sink.applied("pod-a")
@@ -473,8 +476,7 @@ async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_i
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
     pod = await new_pod(buffer_steps=4)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     before = len(sink.calls)
 
     first_lost = await pod.publish(live=False)
@@ -489,18 +491,14 @@ async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_i
         *(("apply", "pod-a", (0, seq)) for seq in range(last - 3, last + 1)),
     ]
     assert pod.replay_requests[-1] == first_lost
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
     assert stats.full_resyncs == 1
 
 
 async def test_seq_going_back_means_restart_and_clears_before_new_batches(
-    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+    pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod
 ) -> None:
-    pod = await new_pod()
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
     await publish_and_wait(pod, sink, "pod-a", 5)
 
     pod.restart_in_place()
@@ -510,17 +508,13 @@ async def test_seq_going_back_means_restart_and_clears_before_new_batches(
     clear_at = kinds.index(("clear", None))
     assert all(ident is not None and ident[0] == 0 for _, ident in kinds[:clear_at])
     assert [ident for _, ident in kinds[clear_at + 1 :]] == [(1, 0), (1, 1), (1, 2)]
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.restarts_detected, stats.gaps_detected) == (1, 0)
 
 
 async def test_pod_restarted_on_the_same_address_is_picked_up_again(
-    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+    pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod, new_pod: PodFactory
 ) -> None:
-    pod = await new_pod()
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
     await publish_and_wait(pod, sink, "pod-a", 30)
 
     await pod.close()
@@ -538,11 +532,8 @@ async def test_pod_restarted_on_the_same_address_is_picked_up_again(
 
 
 async def test_malformed_frames_and_bad_payloads_are_counted_and_dropped(
-    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+    pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod
 ) -> None:
-    pod = await new_pod()
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
     next_seq = (pod.seq).to_bytes(8, "big")
     good_payload = encode_batch(make_batch(pod.seq))
 
@@ -556,8 +547,7 @@ async def test_malformed_frames_and_bad_payloads_are_counted_and_dropped(
     applied = sink.applied("pod-a")
     assert bad_msgpack not in applied and not_a_batch not in applied
     assert applied[-2:] == [last - 1, last]
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.malformed_frames, stats.decode_errors, stats.gaps_detected) == (3, 2, 0)
 
 
@@ -571,8 +561,7 @@ async def test_a_failing_sink_is_counted_and_delivery_continues(new_pod: PodFact
     sink = FlakySink()
     async with SubscriberPool(sink, _CONFIG) as pool:
         pod = await new_pod()
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await publish_until_delivered(pod, sink, "pod-a")
+        await subscribe(pool, sink, pod)
         last = await publish_and_wait(pod, sink, "pod-a", 3)
         assert sink.applied("pod-a") == list(range(last + 1))
         assert pool.stats.sink_errors == 1
@@ -606,8 +595,7 @@ async def test_add_endpoint_again_is_idempotent_and_rejects_bad_urls(
 ) -> None:
     pod = await new_pod()
     pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     assert pool.endpoints == ("pod-a",)
     with pytest.raises(SubscriberConfigError, match="pub_url"):
         pool.add_endpoint("pod-b", "not a url")
@@ -621,8 +609,7 @@ async def test_close_leaves_no_tasks_even_during_a_replay(
 ) -> None:
     pool = SubscriberPool(sink, SubscriberConfig(replay_timeout_s=30.0, reconnect_ivl_ms=20))
     pod = await new_pod()
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     pod.answer_replays = False
     await pod.publish(live=False)
     await pod.publish()

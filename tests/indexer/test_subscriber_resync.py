@@ -10,9 +10,12 @@ import asyncio
 from indexer.subscriber import FeedStats, SubscriberConfig, SubscriberPool
 from tests.indexer import test_subscriber as _subscriber_tests
 from tests.indexer.test_subscriber import (
+    FakeVLLMPod,
     PodFactory,
     RecordingSink,
     publish_and_wait,
+    stats_of,
+    subscribe,
     wait_until,
 )
 
@@ -21,6 +24,23 @@ context = _subscriber_tests.context
 new_pod = _subscriber_tests.new_pod
 sink = _subscriber_tests.sink
 pool = _subscriber_tests.pool
+
+
+async def restarted_after_the_first_fetch(
+    pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
+) -> FakeVLLMPod:
+    """A pod that cached 10 batches before ``pool`` subscribed to it as "pod-a", all applied from
+    the first connection's fetch; then its process restarted on the same ports.  Returns the new
+    process (generation 1), which has published nothing yet."""
+    pod = await new_pod()
+    for _ in range(10):
+        await pod.publish(live=False)
+    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
+    await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
+    await pod.close()
+    reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
+    reborn.generation = 1
+    return reborn
 
 
 async def test_live_batches_during_the_first_connections_fetch_are_applied_once_in_order(
@@ -39,8 +59,7 @@ async def test_live_batches_during_the_first_connections_fetch_are_applied_once_
     await wait_until(lambda: last in sink.applied("pod-a"), "the live stream after the fetch")
     # Whatever came both live and in the buffer was applied once; nothing was skipped.
     assert sink.applied("pod-a") == list(range(last + 1))
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.resyncs, stats.restarts_detected, stats.gaps_unrecovered) == (1, 0, 0)
 
 
@@ -66,21 +85,13 @@ async def test_a_pod_restarted_before_it_published_live_is_noticed_on_reconnecti
 ) -> None:
     """Everything known about the pod came from the first connection's fetch (no live seq
     yet): a reborn pod whose buffer ends below it is still a restart."""
-    pod = await new_pod()
-    for _ in range(10):
-        await pod.publish(live=False)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
-    await pod.close()
-    reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
-    reborn.generation = 1
+    reborn = await restarted_after_the_first_fetch(pool, sink, new_pod)
     for _ in range(3):
         await reborn.publish(live=False)
     await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "the new cache")
     ops = [ident for _, ep, ident in sink.calls if ep == "pod-a"]
     assert ops[10] is None  # cleared before the new process's batches
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert stats.restarts_detected == 1
 
 
@@ -99,8 +110,7 @@ async def test_a_deferred_repair_the_buffer_no_longer_covers_rebuilds_from_the_w
     config = SubscriberConfig(reconnect_ivl_ms=20, replay_burst=1, replay_interval_s=1.0)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod(buffer_steps=4)
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+        await subscribe(pool, sink, pod)
         await asyncio.sleep(1.1)  # the first connection's fetch may have spent the token
         await pod.publish(live=False)
         await publish_and_wait(pod, sink, "pod-a", 1)  # this gap spends the token
@@ -119,8 +129,7 @@ async def test_a_reconnection_after_more_batches_than_the_buffer_holds_rebuilds_
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
     pod = await new_pod(buffer_steps=4)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+    await subscribe(pool, sink, pod)
     seen = await publish_and_wait(pod, sink, "pod-a", 3)
     await pod.close()
     # The same process, reachable again after a long partition: its seq went on.
@@ -131,8 +140,7 @@ async def test_a_reconnection_after_more_batches_than_the_buffer_holds_rebuilds_
         await back.publish(live=False)
     await wait_until(lambda: sink.applied("pod-a")[-1] == seen + 10, "the resync")
     assert _after_last_clear(sink, "pod-a") == [(0, s) for s in range(seen + 7, seen + 11)]
-    stats = pool.endpoint_stats("pod-a")
-    assert stats is not None
+    stats = stats_of(pool)
     assert (stats.full_resyncs, stats.restarts_detected) == (1, 0)
 
 
@@ -142,14 +150,7 @@ async def test_a_pod_reborn_with_an_empty_buffer_is_a_restart_before_it_publishe
     """A restarted vLLM binds its sockets before it serves, so the reconnection's fetch finds
     its buffer empty (it never empties otherwise): the old entries go at once, and the new
     process's seq 0, 1, 2 are applied, not taken for live copies of the old batches."""
-    pod = await new_pod()
-    for _ in range(10):
-        await pod.publish(live=False)
-    pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-    await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
-    await pod.close()
-    reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
-    reborn.generation = 1
+    reborn = await restarted_after_the_first_fetch(pool, sink, new_pod)
     await wait_until(lambda: len(reborn.replay_requests) >= 1, "the reconnection's fetch")
     await wait_until(
         lambda: (pool.endpoint_stats("pod-a") or FeedStats()).restarts_detected == 1,
@@ -166,22 +167,14 @@ async def test_a_reconnection_fetch_that_fails_is_tried_once_more(
 ) -> None:
     config = SubscriberConfig(reconnect_ivl_ms=20, replay_timeout_s=0.3, replay_interval_s=0.3)
     async with SubscriberPool(sink, config) as pool:
-        pod = await new_pod()
-        for _ in range(10):
-            await pod.publish(live=False)
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
-        await pod.close()
-        reborn = await new_pod(pub_port=pod.pub_port, replay_port=pod.replay_port)
-        reborn.generation = 1
+        reborn = await restarted_after_the_first_fetch(pool, sink, new_pod)
         reborn.answer_replays = False  # the first fetch after reconnecting gets no answer
         for _ in range(3):
             await reborn.publish(live=False)
         await wait_until(lambda: len(reborn.replay_requests) >= 1, "the reconnection's fetch")
         reborn.answer_replays = True
         await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "the retry")
-        stats = pool.endpoint_stats("pod-a")
-        assert stats is not None
+        stats = stats_of(pool)
         assert (stats.restarts_detected, stats.replays_failed) == (1, 1)
 
 
@@ -194,8 +187,7 @@ async def test_reconnect_hears_a_pod_again_after_libzmq_dropped_its_connection(
     config = SubscriberConfig(reconnect_ivl_ms=20, max_message_bytes=4096)
     async with SubscriberPool(sink, config) as pool:
         pod = await new_pod()
-        pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
-        await _subscriber_tests.publish_until_delivered(pod, sink, "pod-a")
+        await subscribe(pool, sink, pod)
         seen = await publish_and_wait(pod, sink, "pod-a", 2)
         await pod.send_raw([b"", (seen + 1).to_bytes(8, "big"), b"x" * 10_000])
         pod.seq = seen + 2  # vLLM would have buffered that batch; it is not needed here

@@ -40,7 +40,7 @@ HELLO_IDS = [
     264,
     1296,
     13,
-]  # "Hello world, this is a test." (TOOLCHAIN §5)
+]  # "Hello world, this is a test." (docs/toolchain.md §5)
 HI_THERE_PROMPT = (
     "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
     "<|start_header_id|>assistant<|end_header_id|>\n\n"

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.stack import Stack, Traffic, failures, metric, report, scrape, wait_for
+from launcher.observe import metric, scrape, wait_for
+from launcher.stack import Stack
+from launcher.traffic import Traffic, failures
+from tests.reliability.reporting import report
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +32,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) 
         pods=2,
         replicas=2,
         epp_args=["--secure-serving"],
-        extproc_tls=True,
-        envoy_health_check_s=0.5,
+        envoy_options={"extproc_tls": True, "extproc_health_check_interval_s": 0.5},
     )
     try:
         yield fleet

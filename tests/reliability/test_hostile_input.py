@@ -18,19 +18,11 @@ import pytest
 import zmq
 
 from indexer.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
-from simulator.launch import free_port
-from tests.reliability.stack import (
-    MODEL,
-    Stack,
-    Traffic,
-    chat_body,
-    failures,
-    metric,
-    report,
-    scrape,
-    true_entries,
-    wait_for,
-)
+from launcher.observe import metric, scrape, true_entries, wait_for
+from launcher.ports import reserve_port
+from launcher.stack import MODEL, Stack
+from launcher.traffic import Traffic, chat_body, failures
+from tests.reliability.reporting import report
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +58,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) 
     pub_port = rogue.bind_to_random_port("tcp://127.0.0.1")
     # Nothing serves HTTP at the rogue's address: it is unreachable, so never a candidate, but
     # its events are received and indexed like any pod's.
-    rogue_address = f"127.0.0.1:{free_port()}"
+    rogue_address = f"127.0.0.1:{reserve_port()}"
     stack = Stack.start(
         tmp_path_factory.mktemp("hostile"),
         llama3_tokenizer_dir,

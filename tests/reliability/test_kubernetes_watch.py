@@ -23,19 +23,22 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from simulator.launch import (
+from launcher.observe import metric, scrape, wait_for
+from launcher.ports import reserve_port
+from launcher.processes import (
     EppPorts,
     PodPorts,
     ProcessGroup,
     epp_command,
-    free_port,
     pod_command,
     spawn,
     start_loopback_envoy,
     wait_grpc_ready,
     wait_http,
 )
-from tests.reliability.stack import MODEL, Traffic, failures, metric, report, scrape, wait_for
+from launcher.stack import MODEL
+from launcher.traffic import Traffic, failures
+from tests.reliability.reporting import report
 from tests.support.fake_kube import FakeKubeApiServer
 
 pytestmark = pytest.mark.slow
@@ -78,7 +81,7 @@ class KubeThread:
 
 def _port_free_on_all(hosts: tuple[str, ...]) -> int:
     while True:
-        port = free_port()
+        port = reserve_port()
         try:
             for host in hosts:
                 with socket.socket() as sock:

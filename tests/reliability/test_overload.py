@@ -30,8 +30,10 @@ from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.extproc import start_extproc_server
+from launcher.stack import QUICK_PODS, Stack
+from launcher.traffic import Outcome, chat_body, send
 from scorers.base import EndpointMetrics, PluginContext
-from tests.reliability.stack import Outcome, Stack, chat_body, report, send
+from tests.reliability.reporting import report
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +68,7 @@ def overloaded(
         tmp_path_factory.mktemp(f"overload-{mode}"),
         llama3_tokenizer_dir,
         pods=2,
-        pod_args=["--fault-slow-ms", "400"],
+        pod_args=[*QUICK_PODS, "--fault-slow-ms", "400"],
         epp_args=epp_args,
     )
     try:

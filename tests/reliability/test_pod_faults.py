@@ -22,17 +22,10 @@ from pathlib import Path
 import pytest
 
 from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER
-from tests.reliability.stack import (
-    Stack,
-    Traffic,
-    chat_body,
-    failures,
-    metric,
-    report,
-    scrape,
-    true_entries,
-    wait_for,
-)
+from launcher.observe import metric, scrape, true_entries, wait_for
+from launcher.stack import Stack
+from launcher.traffic import Traffic, chat_body, failures
+from tests.reliability.reporting import report
 
 pytestmark = pytest.mark.slow
 

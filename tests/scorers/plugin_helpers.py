@@ -88,3 +88,14 @@ def result_for(*targets: Endpoint, profile: str = "default") -> SchedulingResult
         primary_profile=profile,
         profiles={profile: ProfileResult(targets=tuple(targets), scores={})},
     )
+
+
+def disaggregated_result(decode: Sequence[Endpoint], prefill: Endpoint) -> SchedulingResult:
+    """A prefill/decode decision: the primary "decode" profile's targets, and a "prefill" one."""
+    return SchedulingResult(
+        primary_profile="decode",
+        profiles={
+            "decode": ProfileResult(targets=tuple(decode), scores={}),
+            "prefill": ProfileResult(targets=(prefill,), scores={}),
+        },
+    )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import base64
 
 from scorers.affinity import decode_session_token, encode_session_token
-from scorers.base import ProfileResult, SchedulingResult
 from scorers.request_data import PREFIX_MATCHED_BLOCKS, SESSION_TOKEN
-from tests.scorers.plugin_helpers import endpoint, make, request, result_for
+from tests.scorers.plugin_helpers import disaggregated_result, endpoint, make, request, result_for
 
 # ------------------------------------------------------------------------------------------
 # session-affinity-scorer
@@ -149,14 +148,7 @@ def test_no_hit_lru_is_bounded_and_forgets_removed_endpoints() -> None:
 def test_no_hit_lru_marks_the_prefill_target_too() -> None:
     scorer = make("no-hit-lru-scorer")
     p, d, other = endpoint("p:1"), endpoint("d:1"), endpoint("o:1")
-    result = SchedulingResult(
-        primary_profile="decode",
-        profiles={
-            "decode": ProfileResult(targets=(d,), scores={}),
-            "prefill": ProfileResult(targets=(p,), scores={}),
-        },
-    )
-    scorer.pre_request(request(), result)
+    scorer.pre_request(request(), disaggregated_result([d], prefill=p))
     assert scorer.score(request(), [p, d, other])["o:1"] == 1.0
     # Primary first, then the prefill target: the prefill target is the most recent.
     assert scorer.score(request(), [p, d, other])["d:1"] == 0.5

@@ -24,26 +24,30 @@ def _addresses(endpoints: list[Any]) -> list[str]:
     return [e.address for e in endpoints]
 
 
-def test_decode_filter_keeps_decoders_and_unlabelled() -> None:
-    kept = make("decode-filter").filter(request(), _by_role())
-    assert _addresses(kept) == [
-        "decode:1",
-        "prefill-decode:1",
-        "both:1",
-        "encode-prefill-decode:1",
-        "none:1",
-    ]
-
-
-def test_prefill_filter_keeps_prefillers_only() -> None:
-    kept = make("prefill-filter").filter(request(), _by_role())
-    assert _addresses(kept) == [
-        "prefill:1",
-        "prefill-decode:1",
-        "both:1",
-        "encode-prefill:1",
-        "encode-prefill-decode:1",
-    ]
+@pytest.mark.parametrize(
+    ("filter_type", "kept"),
+    [
+        pytest.param(
+            "decode-filter",
+            ["decode:1", "prefill-decode:1", "both:1", "encode-prefill-decode:1", "none:1"],
+            id="decode-filter-keeps-decoders-and-unlabelled",
+        ),
+        pytest.param(
+            "prefill-filter",
+            [
+                "prefill:1",
+                "prefill-decode:1",
+                "both:1",
+                "encode-prefill:1",
+                "encode-prefill-decode:1",
+            ],
+            id="prefill-filter-keeps-prefillers-only",
+        ),
+    ],
+)
+def test_role_filter(filter_type: str, kept: list[str]) -> None:
+    """One endpoint per role (`ROLES`): the filter keeps those that can serve its role."""
+    assert _addresses(make(filter_type).filter(request(), _by_role())) == kept
 
 
 POOL = [

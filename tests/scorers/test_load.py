@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.scorers.plugin_helpers import endpoint, make, request
 
 
-def test_queue_scorer_min_max_over_candidates() -> None:
-    scorer = make("queue-scorer")
-    eps = [endpoint("a:1", waiting=0), endpoint("b:1", waiting=5), endpoint("c:1", waiting=10)]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 0.5, "c:1": 0.0}
-
-
-def test_queue_scorer_all_equal_scores_one() -> None:
-    scorer = make("queue-scorer")
-    eps = [endpoint("a:1", waiting=3), endpoint("b:1", waiting=3)]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 1.0}
+@pytest.mark.parametrize(
+    ("scorer_type", "load", "loads", "scores"),
+    [
+        ("queue-scorer", "waiting", [0, 5, 10], [1.0, 0.5, 0.0]),
+        ("queue-scorer", "waiting", [3, 3], [1.0, 1.0]),
+        ("running-requests-size-scorer", "running", [4, 8, 5], [1.0, 0.0, 0.75]),
+        ("active-request-scorer", "in_flight", [0, 4, 1], [1.0, 0.0, 0.75]),
+        ("active-request-scorer", "in_flight", [0, 0], [1.0, 1.0]),
+    ],
+    ids=[
+        "queue-scorer-min-max-over-candidates",
+        "queue-scorer-all-equal-scores-one",
+        "running-requests-size-scorer",
+        "active-request-scorer",
+        "active-request-scorer-all-idle",
+    ],
+)
+def test_least_loaded_scores_one_most_loaded_zero(
+    scorer_type: str, load: str, loads: list[Any], scores: list[float]
+) -> None:
+    """Min-max over the candidates (a:1, b:1, … carrying ``loads``); all equal all score 1."""
+    eps = [endpoint(f"{'abc'[i]}:1", **{load: value}) for i, value in enumerate(loads)]
+    expected = {e.address: score for e, score in zip(eps, scores, strict=True)}
+    assert make(scorer_type).score(request(), eps) == expected
 
 
 def test_queue_scorer_stale_counts_as_most_loaded() -> None:
@@ -30,12 +46,6 @@ def test_queue_scorer_stale_counts_as_most_loaded() -> None:
     # Fresh endpoints all equal: they score 1, the stale one still 0.
     eps = [endpoint("a:1", waiting=4), endpoint("s:1", stale=True)]
     assert scorer.score(request(), eps) == {"a:1": 1.0, "s:1": 0.0}
-
-
-def test_running_requests_size_scorer() -> None:
-    scorer = make("running-requests-size-scorer")
-    eps = [endpoint("a:1", running=4), endpoint("b:1", running=8), endpoint("c:1", running=5)]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 0.0, "c:1": 0.75}
 
 
 def test_kv_cache_utilization_scorer() -> None:
@@ -76,14 +86,3 @@ def test_load_aware_scorer_default_threshold() -> None:
 def test_load_aware_scorer_threshold_parameter() -> None:
     scorer = make("load-aware-scorer", {"threshold": 10})
     assert scorer.score(request(), [endpoint("a:1", waiting=5)]) == {"a:1": 0.25}
-
-
-def test_active_request_scorer() -> None:
-    scorer = make("active-request-scorer")
-    eps = [endpoint("a:1", in_flight=0), endpoint("b:1", in_flight=4), endpoint("c:1", in_flight=1)]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 0.0, "c:1": 0.75}
-
-
-def test_active_request_scorer_all_idle() -> None:
-    scorer = make("active-request-scorer")
-    assert scorer.score(request(), [endpoint("a:1"), endpoint("b:1")]) == {"a:1": 1.0, "b:1": 1.0}

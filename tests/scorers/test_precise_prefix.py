@@ -28,6 +28,7 @@ from scorers.request_data import (
     PREFIX_TOTAL_BLOCKS,
 )
 from tests.scorers.plugin_helpers import result_for
+from tests.support.clock import ManualClock
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -269,16 +270,10 @@ def test_xxhash_without_seed_fails_at_startup() -> None:
 # Predicted (speculative) entries
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _speculative(ttl: object = "2s") -> tuple[PrecisePrefixCacheScorer, _Clock, list[Endpoint]]:
-    clock = _Clock()
+def _speculative(
+    ttl: object = "2s",
+) -> tuple[PrecisePrefixCacheScorer, ManualClock, list[Endpoint]]:
+    clock = ManualClock(100.0)
     eps = _endpoints()
     context = PluginContext(endpoints=_Endpoints(eps), clock=clock, rng=random.Random(0))
     params = {"blockSize": 4, "speculativeIndexing": True, "speculativeTTL": ttl}

@@ -22,17 +22,10 @@ from scorers.base import (
     create_plugin,
 )
 from scorers.precise_prefix import PrecisePrefixCacheScorer, SilentPublishers
+from tests.support.clock import ManualClock
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BS = 4
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Endpoints:
@@ -43,7 +36,7 @@ class _Endpoints:
         return Endpoint(address=address)
 
 
-def _plugin(clock: _Clock, **params: Any) -> PrecisePrefixCacheScorer:
+def _plugin(clock: ManualClock, **params: Any) -> PrecisePrefixCacheScorer:
     context = PluginContext(endpoints=_Endpoints(), clock=clock)
     plugin = create_plugin(
         "precise-prefix-cache-scorer",
@@ -88,7 +81,7 @@ def _samples(plugin: PrecisePrefixCacheScorer, name: str) -> dict[str, float]:
 
 
 def test_a_pod_that_served_new_blocks_and_published_nothing_is_marked_silent() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     plugin = _plugin(clock)
     shared = _tokens(1)
     plugin.apply(A, _stored(shared))  # A has published before: a known publisher
@@ -134,7 +127,7 @@ def test_a_pod_that_served_new_blocks_and_published_nothing_is_marked_silent() -
 def test_evidence_needs_new_blocks_and_no_batch_since_routing(
     usage: Usage | None, published_after_routing: bool, marked: bool
 ) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     plugin = _plugin(clock)
     plugin.apply(A, _stored(_tokens(1)))
     clock.now += 1
@@ -150,7 +143,7 @@ def test_evidence_needs_new_blocks_and_no_batch_since_routing(
 
 
 def test_without_cached_tokens_the_index_tells_what_the_pod_held() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     plugin = _plugin(clock)
     prompt = _tokens(1)
     plugin.apply(A, _stored(prompt))
@@ -166,7 +159,7 @@ def test_without_cached_tokens_the_index_tells_what_the_pod_held() -> None:
 
 
 def test_resuming_publisher_is_resynced_from_its_replay_buffer() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     plugin = _plugin(clock)
     resyncs: list[str] = []
 
@@ -208,7 +201,7 @@ def test_the_oldest_evidence_sets_the_deadline_and_removed_endpoints_are_forgott
 def test_silent_publisher_timeout_takes_durations_or_null(
     value: str | None, seconds: float | None
 ) -> None:
-    plugin = _plugin(_Clock(), silentPublisherTimeout=value)
+    plugin = _plugin(ManualClock(), silentPublisherTimeout=value)
     if seconds is None:
         assert plugin.silent_publishers is None
         # Off: completions are ignored and nothing is exported.
@@ -223,13 +216,13 @@ def test_silent_publisher_timeout_takes_durations_or_null(
 @pytest.mark.parametrize("value", [0, -1, 3601, "soon"])
 def test_bad_silent_publisher_timeout_names_the_field(value: object) -> None:
     with pytest.raises(PluginConfigError, match="silentPublisherTimeout"):
-        _plugin(_Clock(), silentPublisherTimeout=value)
+        _plugin(ManualClock(), silentPublisherTimeout=value)
 
 
 def test_a_pod_marked_silent_gets_a_new_subscription_once() -> None:
     """libzmq never reconnects a connection it dropped over an oversized message, which looks
     exactly like a silent publisher: marking one replaces its SUB socket (once per episode)."""
-    clock = _Clock()
+    clock = ManualClock()
     plugin = _plugin(clock)
     reconnected: list[str] = []
 

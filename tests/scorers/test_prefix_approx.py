@@ -7,10 +7,10 @@ import struct
 import pytest
 import xxhash
 
-from scorers.base import PluginConfigError, ProfileResult, SchedulingResult
+from scorers.base import PluginConfigError
 from scorers.prefix_approx import PrefixBlockIndex, block_hashes, prompt_bytes, render_chat
 from scorers.request_data import PREFIX_MATCHED_BLOCKS
-from tests.scorers.plugin_helpers import endpoint, make, request, result_for
+from tests.scorers.plugin_helpers import disaggregated_result, endpoint, make, request, result_for
 
 # ------------------------------------------------------------------------------------------
 # Hashing
@@ -177,14 +177,7 @@ def test_scorer_parameters() -> None:
 def test_pre_request_records_each_profiles_primary_target() -> None:
     scorer = make("prefix-cache-scorer")
     p, d, fallback = endpoint("p:1"), endpoint("d:1"), endpoint("f:1")
-    result = SchedulingResult(
-        primary_profile="decode",
-        profiles={
-            "decode": ProfileResult(targets=(d, fallback), scores={}),
-            "prefill": ProfileResult(targets=(p,), scores={}),
-        },
-    )
-    scorer.pre_request(request(prompt=PROMPT), result)
+    scorer.pre_request(request(prompt=PROMPT), disaggregated_result([d, fallback], prefill=p))
     assert scorer.score(request("r2", prompt=PROMPT), [p, d, fallback]) == {
         "p:1": 1.0,
         "d:1": 1.0,

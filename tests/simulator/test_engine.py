@@ -15,14 +15,9 @@ from indexer.events import (
     encode_batch,
 )
 from indexer.hashing import block_hashes
-from simulator.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    LoRA,
-    RequestRejected,
-    RequestStats,
-)
+from simulator.engine import Engine
+from simulator.engine_config import EngineConfig, EngineError, LoRA, RequestRejected
+from simulator.engine_outputs import RequestStats
 from simulator.profiles import Profile
 from tests.conftest import load_vectors
 

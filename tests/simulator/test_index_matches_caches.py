@@ -7,7 +7,8 @@ import random
 
 from indexer.hashing import HashConfig
 from indexer.index import KVBlockIndex
-from simulator.engine import Engine, EngineConfig
+from simulator.engine import Engine
+from simulator.engine_config import EngineConfig
 from simulator.profiles import get_profile
 
 

@@ -22,8 +22,8 @@ import zmq
 
 from indexer.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
 from indexer.hashing import block_hashes
+from launcher.ports import reserve_port
 from tests.conftest import PROJECT_ROOT
-from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pod(llama3_tokenizer_dir: Path) -> Iterator[Pod]:
-    port, events_port, replay_port = free_port(), free_port(), free_port()
+    port, events_port, replay_port = reserve_port(), reserve_port(), reserve_port()
     command = [
         sys.executable,
         "-m",

@@ -3,8 +3,8 @@ with an echo (JSON) or, for ``"stream": true`` bodies, a fixed OpenAI-style SSE 
 body fields shape the stream: ``test_chunk_delay_s`` (pause between writes) and
 ``test_hold_after_first_chunk`` (send one event, then hang until the client disconnects).
 
-aiohttp sets TCP_NODELAY on its sockets, so there is no Nagle / delayed-ACK stall (the
-TOOLCHAIN.md gotcha with ``http.server`` backends).
+aiohttp sets TCP_NODELAY on its sockets, so there is no Nagle / delayed-ACK stall (the gotcha
+with ``http.server`` backends in docs/toolchain.md §1).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import msgpack
 import zmq
 
+from launcher.stack import Stack
 from launcher.vllm import (
     BLOCK_SIZE,
     MODEL,
@@ -33,14 +33,6 @@ from launcher.vllm import (
     http_text,
     metric_values,
     unsupported_platform_reason,
-)
-from simulator.launch import (
-    EppPorts,
-    epp_command,
-    spawn,
-    start_loopback_envoy,
-    stop_process,
-    wait_grpc_ready,
 )
 
 __all__ = [
@@ -82,8 +74,8 @@ def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 60.0
 def replay_batches(replay_url: str, timeout: float = 15.0) -> list[tuple[int, bytes, bytes]]:
     """Every batch still in the server's replay buffer, as (seq, topic, payload), from seq 0.
 
-    A DEALER, not a REQ: over REQ vLLM's ROUTER delivers only the first reply (VLLM-INTEROP
-    §4.4).  The end marker is a reply with an empty topic and seq 0xFF…FF.
+    A DEALER, not a REQ: over REQ vLLM's ROUTER delivers only the first reply
+    (docs/vllm-interop.md §4.4).  The end marker is a reply with an empty topic and seq 0xFF…FF.
     """
     dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -205,24 +197,21 @@ schedulingProfiles:
 class Gateway:
     """``epp serve`` with static endpoints and the precise scorer, and Envoy in front of it."""
 
-    workdir: Path
-    epp: subprocess.Popen[bytes]
-    envoy: Any  # epp.envoy_bootstrap.EnvoyProcess
-    metrics_port: int
+    stack: Stack
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.envoy.listen_port}"
+        return self.stack.gateway
 
     @property
     def epp_log_path(self) -> Path:
-        return self.workdir / "epp.log"
+        return self.stack.replicas[0].log
 
     def epp_log(self) -> str:
         return self.epp_log_path.read_text(errors="replace")
 
     def epp_metrics(self) -> dict[str, float]:
-        return metric_values(http_text(f"http://127.0.0.1:{self.metrics_port}/metrics"))
+        return metric_values(http_text(self.stack.metrics_url))
 
     def completion(self, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
@@ -247,30 +236,19 @@ class Gateway:
             }
             for s in servers
         ]
-        (workdir / "endpoints.yaml").write_text(json.dumps(endpoints))  # JSON is YAML
-        (workdir / "epp.yaml").write_text(epp_config(hash_algo, hash_seed))
-        ports = EppPorts.free()
-        serve_options = [
-            "--endpoints-file",
-            str(workdir / "endpoints.yaml"),
-            "--config-file",
-            str(workdir / "epp.yaml"),
-            "--drain-timeout",
-            "1s",
-        ]
-        log = workdir / "epp.log"
-        epp = spawn(epp_command(ports, serve_options), log)
-        try:
-            wait_grpc_ready(ports.health, epp, log, timeout=120)
-            envoy = start_loopback_envoy(ports.grpc, workdir)
-        except BaseException:
-            stop_process(epp, timeout=15)
-            raise
-        return cls(workdir, epp, envoy, ports.metrics)
+        stack = Stack.start(
+            workdir,
+            None,
+            pods=0,
+            config=epp_config(hash_algo, hash_seed),
+            extra_endpoints=endpoints,
+            epp_log_level=None,
+            ready_timeout=120,
+        )
+        return cls(stack)
 
     def stop(self) -> None:
-        self.envoy.stop()
-        stop_process(self.epp, timeout=15)
+        self.stack.stop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,13 +3,11 @@ configuration must beat round-robin on the hit rate the engines themselves repor
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
-from simulator.demo import build_parser, print_table, run_demo
-from simulator.launch import ProcessGroup
+from launcher.demo import build_parser, print_table, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +18,7 @@ def test_default_configuration_beats_round_robin_on_engine_hit_rate(
     args = build_parser().parse_args(
         ["--pods", "2", "--sessions", "10", "--concurrency", "4", "--speedup", "4"]
     )
-    procs = ProcessGroup()
-    try:
-        results = asyncio.run(run_demo(args, procs, tmp_path))
-    finally:
-        procs.stop()
+    results = run_demo(args, tmp_path)
     routed, round_robin = results
     assert routed.errors == 0 and round_robin.errors == 0
     assert routed.requests == round_robin.requests > 20

@@ -1,10 +1,10 @@
 """Starting the system's processes on loopback and waiting until they serve.
 
-`make demo`, the benchmarks and every test that runs real processes start the same three
-programs: simulated vLLM pods (``python -m simulator``), ``epp serve`` and Envoy.  This module
-builds their command lines, starts them with their output in a log file, waits for each to be
-ready (failing with the log's tail when one exits or hangs) and stops them.  Every wait is
-bounded.
+The three programs of a local stack: simulated vLLM pods (``python -m simulator``), ``epp
+serve`` and Envoy.  This module builds their command lines on ports from `launcher.ports`,
+starts them with their output in a log file, waits for each to be ready (failing with the log's
+tail when one exits or hangs) and stops them.  Every wait is bounded.  `launcher.stack` puts
+them together.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,11 @@ from typing import Any
 import aiohttp
 
 from epp.envoy_bootstrap import EnvoyProcess, render_envoy_config, start_envoy
+from launcher.ports import LOOPBACK, reserve_port
 
-LOOPBACK = "127.0.0.1"
 # Children inherit the environment; tokenizers' own thread pool would fight the EPP's executor
 # for two cores, and unbuffered output keeps the logs current when a wait fails.
 _CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def spawn(args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
@@ -129,7 +120,7 @@ class PodPorts:
 
     @classmethod
     def free(cls) -> PodPorts:
-        return cls(free_port(), free_port(), free_port())
+        return cls(reserve_port(), reserve_port(), reserve_port())
 
     @property
     def address(self) -> str:
@@ -192,7 +183,7 @@ class EppPorts:
 
     @classmethod
     def free(cls) -> EppPorts:
-        return cls(free_port(), free_port(), free_port())
+        return cls(reserve_port(), reserve_port(), reserve_port())
 
     @property
     def metrics_url(self) -> str:
@@ -228,7 +219,7 @@ def start_loopback_envoy(
 ) -> EnvoyProcess:
     """A real Envoy listening on a free loopback port in front of the EPP at ``extproc_port``;
     ``options`` go to `render_envoy_config`."""
-    listen, admin = free_port(), free_port()
+    listen, admin = reserve_port(), reserve_port()
     return start_envoy(
         render_envoy_config(
             listen_port=listen,

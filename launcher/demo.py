@@ -1,6 +1,6 @@
 """``make demo``: the whole system on one machine, and what the endpoint picker buys.
 
-    python -m simulator.demo [--pods 4] [--sessions 48] [--json OUT]
+    python -m launcher.demo [--pods 4] [--sessions 48] [--json OUT]
 
 Starts four simulated vLLM pods (real HTTP API, real ZMQ KV events in vLLM's wire format, a GPU
 timing model sped up so the run takes a minute), the EPP, and a real Envoy in front of them; then
@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -35,17 +37,7 @@ import yaml
 
 from epp.config import DEFAULT_CONFIG_YAML
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
-from simulator.launch import (
-    EppPorts,
-    PodPorts,
-    ProcessGroup,
-    epp_command,
-    pod_command,
-    spawn,
-    start_loopback_envoy,
-    wait_grpc_ready,
-    wait_http,
-)
+from launcher.stack import Stack
 
 MODEL = "demo-llama3-8b"
 _WORDS = [
@@ -326,101 +318,100 @@ def _pct(values: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def _workdir(path: str | None) -> Iterator[Path]:
+    """``path``, or a temporary directory removed when the demo succeeds and kept (and named)
+    when it fails, so the processes' logs can be read."""
     if path:
         Path(path).mkdir(parents=True, exist_ok=True)
         yield Path(path)
-    else:
-        with tempfile.TemporaryDirectory(prefix="kv-epp-demo-") as tmp:
-            yield Path(tmp)
+        return
+    work = Path(tempfile.mkdtemp(prefix="kv-epp-demo-"))
+    try:
+        yield work
+    except BaseException:
+        print(f"the processes' logs are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
-async def run_demo(
-    args: argparse.Namespace, procs: ProcessGroup, work_dir: Path
-) -> list[ConfigResult]:
-    tokenizer_dir = build_llama3_tokenizer_dir(work_dir / "tokenizer")
+def start_stack(
+    args: argparse.Namespace, work_dir: Path, tokenizer_dir: Path, first_config: str
+) -> Stack:
+    """The demo's pods, one EPP replica with ``first_config`` and Envoy."""
     print(f"Starting {args.pods} simulated vLLM pods, the EPP and Envoy (logs in {work_dir})")
-    pod_ports = [PodPorts.free() for _ in range(args.pods)]
-    for i, ports in enumerate(pod_ports):
-        options = [
-            "--profile",
-            args.profile,
-            "--speedup",
-            str(args.speedup),
-            "--capacity-blocks",
-            str(args.capacity_blocks),
-        ]
-        command = pod_command(ports, model=MODEL, tokenizer=tokenizer_dir, seed=i, options=options)
-        procs.add(f"pod-{i}", spawn(command, work_dir / f"pod-{i}.log"))
-    for i, (ports, (_, proc)) in enumerate(zip(pod_ports, procs.procs, strict=True)):
-        await wait_http(f"http://{ports.address}/health", proc, work_dir / f"pod-{i}.log")
-    pods = [ports.address for ports in pod_ports]
-    endpoints = [ports.endpoint(f"pod-{i}") for i, ports in enumerate(pod_ports)]
-    (work_dir / "endpoints.yaml").write_text(yaml.safe_dump(endpoints))
-
-    epp_ports = EppPorts.free()
-    procs.envoy = start_loopback_envoy(epp_ports.grpc, work_dir)
-    gateway = f"http://127.0.0.1:{procs.envoy.listen_port}"
-    rng = random.Random(args.seed)
-    system = system_prompt(rng)
-    results: list[ConfigResult] = []
-    first = Path(args.config).read_text() if args.config else default_config(tokenizer_dir)
-    configs = [
-        ("kv-epp default" if not args.config else Path(args.config).name, first),
-        ("round-robin (cache-blind)", ROUND_ROBIN_CONFIG),
+    pod_args = [
+        "--profile",
+        args.profile,
+        "--speedup",
+        str(args.speedup),
+        "--capacity-blocks",
+        str(args.capacity_blocks),
     ]
-    for name, config_text in configs:
-        config_path = work_dir / f"config-{len(results)}.yaml"
-        config_path.write_text(config_text)
-        log = work_dir / f"epp-{len(results)}.log"
-        serve_options = [
-            "--endpoints-file",
-            str(work_dir / "endpoints.yaml"),
-            "--config-file",
-            str(config_path),
-            "--drain-timeout",
-            "1s",
-        ]
-        command = epp_command(epp_ports, serve_options, log_level=args.epp_log_level)
-        epp = procs.add("epp", spawn(command, log))
-        await asyncio.to_thread(wait_grpc_ready, epp_ports.health, epp, log)
-        await reset_pods(pods)
-        await asyncio.sleep(0.5)  # let the EPP index see the resets
-        before = await pod_counters(pods)
-        print(f"\n{name}:")
-        work = build_workload(args.seed, args.sessions, args.unrelated_share)
-        stats = await run_workload(gateway, work, system, args.concurrency, progress=True)
-        after = await pod_counters(pods)
-        decision_ms = await epp_decision_ms(epp_ports.metrics_url)
-        procs.stop("epp")
-        queries = sum(
-            after[p]["vllm:prefix_cache_queries_total"]
-            - before[p]["vllm:prefix_cache_queries_total"]
-            for p in pods
-        )
-        hits = sum(
-            after[p]["vllm:prefix_cache_hits_total"] - before[p]["vllm:prefix_cache_hits_total"]
-            for p in pods
-        )
-        per_pod = {
-            f"pod-{i}": int(
-                after[p]["vllm:e2e_request_latency_seconds_count"]
-                - before[p]["vllm:e2e_request_latency_seconds_count"]
-            )
-            for i, p in enumerate(pods)
-        }
-        results.append(
-            ConfigResult(
-                name=name,
-                hit_rate=hits / queries if queries else 0.0,
-                ttft_p50=_pct(stats.ttft, 0.5),
-                ttft_p90=_pct(stats.ttft, 0.9),
-                ttft_p99=_pct(stats.ttft, 0.99),
-                per_pod=per_pod,
-                errors=stats.errors,
-                requests=stats.requests,
-                decision_ms=decision_ms,
-            )
-        )
+    return Stack.start(
+        work_dir,
+        tokenizer_dir,
+        pods=args.pods,
+        model=MODEL,
+        pod_args=pod_args,
+        epp_log_level=args.epp_log_level,
+        config=first_config,
+        envoy_options={"log_level": "warning"},
+    )
+
+
+def configurations(args: argparse.Namespace, tokenizer_dir: Path) -> list[tuple[str, str]]:
+    """(name, configuration) compared, in order."""
+    if args.config:
+        first = (Path(args.config).name, Path(args.config).read_text())
+    else:
+        first = ("kv-epp default", default_config(tokenizer_dir))
+    return [first, ("round-robin (cache-blind)", ROUND_ROBIN_CONFIG)]
+
+
+async def measure(stack: Stack, name: str, args: argparse.Namespace, system: str) -> ConfigResult:
+    """The workload through ``stack``'s gateway under its current configuration."""
+    pods = [pod.address for pod in stack.pods]
+    await reset_pods(pods)
+    await asyncio.sleep(0.5)  # let the EPP index see the resets
+    before = await pod_counters(pods)
+    print(f"\n{name}:")
+    work = build_workload(args.seed, args.sessions, args.unrelated_share)
+    stats = await run_workload(stack.gateway, work, system, args.concurrency, progress=True)
+    after = await pod_counters(pods)
+    decision_ms = await epp_decision_ms(stack.metrics_url)
+
+    def delta(pod: str, counter: str) -> float:
+        return after[pod][counter] - before[pod][counter]
+
+    queries = sum(delta(p, "vllm:prefix_cache_queries_total") for p in pods)
+    hits = sum(delta(p, "vllm:prefix_cache_hits_total") for p in pods)
+    per_pod = {
+        f"pod-{i}": int(delta(p, "vllm:e2e_request_latency_seconds_count"))
+        for i, p in enumerate(pods)
+    }
+    return ConfigResult(
+        name=name,
+        hit_rate=hits / queries if queries else 0.0,
+        ttft_p50=_pct(stats.ttft, 0.5),
+        ttft_p90=_pct(stats.ttft, 0.9),
+        ttft_p99=_pct(stats.ttft, 0.99),
+        per_pod=per_pod,
+        errors=stats.errors,
+        requests=stats.requests,
+        decision_ms=decision_ms,
+    )
+
+
+def run_demo(args: argparse.Namespace, work_dir: Path) -> list[ConfigResult]:
+    """Every configuration on the same pods, one after the other (the EPP restarted between)."""
+    system = system_prompt(random.Random(args.seed))
+    tokenizer_dir = build_llama3_tokenizer_dir(work_dir / "tokenizer")
+    compared = configurations(args, tokenizer_dir)
+    results: list[ConfigResult] = []
+    with start_stack(args, work_dir, tokenizer_dir, compared[0][1]) as stack:
+        for name, config in compared:
+            if results:
+                stack.reconfigure(config)
+            results.append(asyncio.run(measure(stack, name, args, system)))
     return results
 
 
@@ -452,7 +443,7 @@ def print_table(results: list[ConfigResult]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m simulator.demo",
+        prog="python -m launcher.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -488,16 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    procs = ProcessGroup()
     started = time.monotonic()
+    # A SIGTERM (a CI runner's timeout, ``kill``) stops the demo as Ctrl-C does: through the
+    # same clean-up, so no pod or Envoy outlives it.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with _workdir(args.workdir) as work_dir:
-            try:
-                results = asyncio.run(run_demo(args, procs, work_dir))
-            finally:
-                procs.stop()
+            results = run_demo(args, work_dir)
             print_table(results)
             if args.json:
                 args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))

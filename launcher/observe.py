@@ -1,0 +1,72 @@
+"""Reading a local stack's state: Prometheus samples, a pod's true cache contents (from its own
+replay buffer), and bounded polling until a condition holds."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+import zmq
+
+from indexer.events import decode_batch
+from indexer.index import KVBlockIndex
+from launcher.stack import Pod
+
+_END_SEQ = b"\xff" * 8
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def scrape(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text: str = resp.read().decode()
+        return text
+
+
+def true_entries(pod: Pod, timeout: float = 5.0) -> int:
+    """The (block, endpoint) entries the pod's cache really holds: its whole replay buffer
+    (every batch since it started), folded into a fresh index."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    try:
+        dealer.connect(pod.replay_url)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        index = KVBlockIndex()
+        while True:
+            frames = dealer.recv_multipart()
+            seq = frames[-2]
+            if seq == _END_SEQ:
+                break
+            index.apply(pod.address, decode_batch(frames[-1]))
+        return index.endpoint_stats(pod.address).blocks
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
+def wait_for(condition: Any, what: str, timeout: float = 20.0, interval: float = 0.05) -> float:
+    """Poll ``condition()`` until true; returns the seconds it took.  Raises after ``timeout``."""
+    started = time.monotonic()
+    last_error: Exception | None = None
+    while True:
+        try:
+            if condition():
+                return time.monotonic() - started
+        except Exception as exc:  # a scrape racing a restart
+            last_error = exc
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_error})")
+        time.sleep(interval)
