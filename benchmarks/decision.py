@@ -44,38 +44,15 @@ from indexer.events import BlockStored, KVEventBatch
 from indexer.hashing import block_hashes
 from indexer.tokenization import PromptTokenizer
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
+from launcher.configs import weighted_config
+from launcher.traffic import SUPPORT_WORDS
 from scorers.base import EndpointMetrics, LLMRequest, PluginContext
 from scorers.precise_prefix import PrecisePrefixCacheScorer
-
-WORDS = [
-    "account",
-    "billing",
-    "router",
-    "firmware",
-    "reset",
-    "password",
-    "invoice",
-    "refund",
-    "shipping",
-    "delay",
-    "warranty",
-    "support",
-    "ticket",
-    "priority",
-    "escalate",
-    "network",
-    "outage",
-    "battery",
-    "screen",
-    "update",
-    "install",
-    "license",
-]
 
 
 def _text(rng: random.Random, tokens: int) -> str:
     # About one Llama-3 token per word plus a space.
-    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+    return " ".join(rng.choice(SUPPORT_WORDS) for _ in range(tokens))
 
 
 def _chat(messages: list[dict[str, Any]]) -> bytes:
@@ -116,21 +93,10 @@ def _stored(ids: Sequence[int]) -> BlockStored:
 
 
 def _config(tokenizer_dir: Path) -> str:
-    return f"""
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters: {{blockSize: 16, tokenizer: "{tokenizer_dir}"}}
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 3}}
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-"""
+    return weighted_config(
+        {"precise-prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2},
+        {"precise-prefix-cache-scorer": {"blockSize": 16, "tokenizer": str(tokenizer_dir)}},
+    )
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:

@@ -38,54 +38,9 @@ import yaml
 from epp.config import DEFAULT_CONFIG_YAML
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from launcher.stack import Stack
+from launcher.traffic import sentence
 
 MODEL = "demo-llama3-8b"
-_WORDS = [
-    "account",
-    "billing",
-    "router",
-    "modem",
-    "firmware",
-    "reset",
-    "password",
-    "invoice",
-    "refund",
-    "shipping",
-    "delay",
-    "warranty",
-    "support",
-    "ticket",
-    "priority",
-    "escalate",
-    "network",
-    "outage",
-    "battery",
-    "screen",
-    "update",
-    "install",
-    "license",
-    "subscription",
-    "upgrade",
-    "downgrade",
-    "cancel",
-    "order",
-    "tracking",
-    "replacement",
-    "device",
-    "cable",
-    "signal",
-    "wifi",
-    "ethernet",
-    "speed",
-    "latency",
-    "bandwidth",
-    "plan",
-    "contract",
-    "payment",
-    "card",
-    "receipt",
-    "policy",
-]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,15 +73,11 @@ schedulingProfiles:
 # Workload
 
 
-def _sentence(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
-
-
 def system_prompt(rng: random.Random, tokens: int = 2000) -> str:
     # Roughly one Llama-3 token per word, plus punctuation.
     lines = ["You are the support assistant of Acme Networks. Follow the policies below."]
     while sum(len(line.split()) for line in lines) < tokens * 0.9:
-        lines.append(_sentence(rng, rng.randint(8, 20)))
+        lines.append(sentence(rng, rng.randint(8, 20)))
     return "\n".join(lines)
 
 
@@ -142,12 +93,12 @@ def build_workload(seed: int, sessions: int, unrelated_share: float) -> list[Ses
     for _ in range(sessions):
         # Customers describe problems and paste logs; agents answer at length.
         turns = [
-            " ".join(_sentence(rng, rng.randint(10, 25)) for _ in range(rng.randint(3, 12)))
+            " ".join(sentence(rng, rng.randint(10, 25)) for _ in range(rng.randint(3, 12)))
             for _ in range(rng.randint(3, 6))
         ]
         work.append(Session(turns=turns, max_tokens=rng.randint(120, 250)))
         if rng.random() < unrelated_share:
-            work.append(" ".join(_sentence(rng, 15) for _ in range(rng.randint(20, 80))))
+            work.append(" ".join(sentence(rng, 15) for _ in range(rng.randint(20, 80))))
     return work
 
 

@@ -28,6 +28,7 @@ import yaml
 import zmq
 
 from epp.envoy_bootstrap import EnvoyProcess
+from launcher.configs import equal_weights_config
 from launcher.metrics_proxy import MetricsProxy
 from launcher.ports import LOOPBACK
 from launcher.processes import (
@@ -44,24 +45,6 @@ from launcher.processes import (
 
 MODEL: Final = "sim-llama3"
 """The model name simulated pods serve unless told otherwise."""
-
-# Precise prefix, queue and KV utilization at weight 1 each: a configuration pinned apart from
-# the default, so runs that test behaviour (faults, protocol) do not move when the default does.
-EQUAL_WEIGHTS_CONFIG: Final = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters: {{tokenizer: "{tokenizer}"}}
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 1}}
-  - {{pluginRef: queue-scorer, weight: 1}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
-"""
 
 QUICK_PODS: Final = ("--speedup", "20", "--max-num-seqs", "8")
 """Simulated pods that answer in milliseconds: runs that check behaviour, not timing."""
@@ -142,7 +125,7 @@ class Stack:
         """Starts ``pods`` simulated pods serving ``model`` (``pod_args``: more simulator flags),
         then, unless ``replicas`` is 0, that many EPP replicas routing to them and to
         ``extra_endpoints`` (servers started elsewhere, e.g. real vLLM; entries of the
-        endpoints file) with ``config`` (default `EQUAL_WEIGHTS_CONFIG`) and a real Envoy in
+        endpoints file) with ``config`` (default `equal_weights_config`) and a real Envoy in
         front of the replicas (``envoy_options`` go to `render_envoy_config`).  Pods listed in
         ``metrics_proxies`` are scraped through a `MetricsProxy`; those in ``silent_replay``
         get a replay URL that never answers.  On any failure everything started is stopped."""
@@ -202,7 +185,7 @@ class Stack:
         if config is None:
             if self.tokenizer_dir is None:
                 raise ValueError("the default test configuration needs a tokenizer directory")
-            config = EQUAL_WEIGHTS_CONFIG.format(tokenizer=self.tokenizer_dir)
+            config = equal_weights_config(self.tokenizer_dir)
         self.config_path.write_text(config)
         serve_options = [
             "--endpoints-file",

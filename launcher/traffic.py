@@ -6,16 +6,70 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
 from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER
 from launcher.stack import MODEL
+
+SUPPORT_WORDS: Final = (
+    "account",
+    "billing",
+    "router",
+    "modem",
+    "firmware",
+    "reset",
+    "password",
+    "invoice",
+    "refund",
+    "shipping",
+    "delay",
+    "warranty",
+    "support",
+    "ticket",
+    "priority",
+    "escalate",
+    "network",
+    "outage",
+    "battery",
+    "screen",
+    "update",
+    "install",
+    "license",
+    "subscription",
+    "upgrade",
+    "downgrade",
+    "cancel",
+    "order",
+    "tracking",
+    "replacement",
+    "device",
+    "cable",
+    "signal",
+    "wifi",
+    "ethernet",
+    "speed",
+    "latency",
+    "bandwidth",
+    "plan",
+    "contract",
+    "payment",
+    "card",
+    "receipt",
+    "policy",
+)
+"""Customer-support vocabulary: about one Llama-3 token per word."""
+
+
+def sentence(rng: random.Random, words: int, vocabulary: Sequence[str] = SUPPORT_WORDS) -> str:
+    """``words`` random words of ``vocabulary``, capitalized, with a full stop."""
+    return " ".join(rng.choice(vocabulary) for _ in range(words)).capitalize() + "."
 
 
 def words(seed: int, n: int) -> str:

@@ -2,7 +2,7 @@
 KV events over real ZMQ in vLLM's wire format and serve vLLM's /metrics.
 
 Everything runs as separate processes on loopback, started once for the module by
-`launcher.stack`.  The EPP's configuration is pinned (`EQUAL_WEIGHTS_CONFIG`: precise prefix,
+`launcher.stack`.  The EPP's configuration is pinned (`equal_weights_config`: precise prefix,
 queue and KV utilization, weight 1 each) so these tests do not move when the default changes.  Equal weights on purpose: with the Inference
 Extension's 3/2/2, a prefix match of 0.95 outweighs a full queue (3 × 0.95 > 2 × 1), so a hot
 prefix herds onto one pod until its KV cache fills; the load test below would measure that

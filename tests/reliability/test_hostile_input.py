@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from indexer.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from launcher.configs import weighted_config
 from launcher.observe import metric, scrape, true_entries, wait_for
 from launcher.ports import reserve_port
 from launcher.stack import MODEL, Stack
@@ -27,19 +28,6 @@ from tests.reliability.reporting import report
 pytestmark = pytest.mark.slow
 
 MAX_BODY = 1_000_000
-CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters: {{tokenizer: "{tokenizer}", maxIndexEntries: 20000}}
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 2}}
-  - {{pluginRef: queue-scorer, weight: 1}}
-"""
 
 
 class Fleet:
@@ -64,7 +52,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) 
         llama3_tokenizer_dir,
         pods=2,
         epp_args=["--max-body-bytes", str(MAX_BODY)],
-        config=CONFIG.format(tokenizer=llama3_tokenizer_dir),
+        config=weighted_config(
+            {"precise-prefix-cache-scorer": 2, "queue-scorer": 1},
+            {
+                "precise-prefix-cache-scorer": {
+                    "tokenizer": str(llama3_tokenizer_dir),
+                    "maxIndexEntries": 20000,
+                }
+            },
+        ),
         extra_endpoints=[{"address": rogue_address, "kvEventsUrl": f"tcp://127.0.0.1:{pub_port}"}],
     )
     try:

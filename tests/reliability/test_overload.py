@@ -30,6 +30,7 @@ from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.extproc import start_extproc_server
+from launcher.configs import weighted_config
 from launcher.stack import QUICK_PODS, Stack
 from launcher.traffic import Outcome, chat_body, send
 from scorers.base import EndpointMetrics, PluginContext
@@ -125,19 +126,10 @@ WORDS = ["account", "billing", "router", "firmware", "reset", "password", "invoi
 
 
 def _config(tokenizer_dir: Path) -> str:
-    return f"""
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters: {{blockSize: 16, tokenizer: "{tokenizer_dir}"}}
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 1}}
-  - {{pluginRef: queue-scorer, weight: 1}}
-"""
+    return weighted_config(
+        {"precise-prefix-cache-scorer": 1, "queue-scorer": 1},
+        {"precise-prefix-cache-scorer": {"blockSize": 16, "tokenizer": str(tokenizer_dir)}},
+    )
 
 
 @pytest.fixture

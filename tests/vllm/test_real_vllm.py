@@ -36,6 +36,7 @@ import pytest
 
 from indexer.events import decode_batch
 from indexer.hashing import HashAlgo, HashConfig, block_hashes, event_key
+from launcher.traffic import SUPPORT_WORDS, sentence
 from scorers.base import Endpoint, EndpointMetrics, LLMRequest, PluginContext, create_plugin
 from scorers.precise_prefix import PrecisePrefixCacheScorer
 from scorers.request_data import PREFIX_MATCHED_BLOCKS, PREFIX_TOTAL_BLOCKS
@@ -53,46 +54,9 @@ from tests.vllm.vllm_support import (
 
 pytestmark = pytest.mark.slow
 
-_WORDS = [
-    "account",
-    "billing",
-    "router",
-    "modem",
-    "firmware",
-    "reset",
-    "password",
-    "invoice",
-    "refund",
-    "shipping",
-    "delay",
-    "warranty",
-    "support",
-    "ticket",
-    "priority",
-    "escalate",
-    "network",
-    "outage",
-    "battery",
-    "screen",
-    "update",
-    "install",
-    "license",
-    "subscription",
-    "upgrade",
-    "cancel",
-    "order",
-    "tracking",
-    "replacement",
-    "device",
-    "cable",
-    "signal",
-    "wifi",
-    "speed",
-    "plan",
-    "contract",
-    "payment",
-    "receipt",
-    "policy",
+# The support vocabulary and a few rarer words.
+_WORDS = (
+    *SUPPORT_WORDS,
     "harbor",
     "lantern",
     "meadow",
@@ -101,7 +65,7 @@ _WORDS = [
     "saddle",
     "thimble",
     "velvet",
-]
+)
 
 
 def text(seed: int, words: int) -> str:
@@ -110,7 +74,7 @@ def text(seed: int, words: int) -> str:
     sentences = []
     while words > 0:
         n = min(words, rng.randint(6, 14))
-        sentences.append(" ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + ".")
+        sentences.append(sentence(rng, n, _WORDS))
         words -= n
     return " ".join(sentences)
 

@@ -11,7 +11,6 @@ loss) and of the project's decoder (plain ``msgpack``), to compare the project's
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 import msgpack
 import zmq
 
+from launcher.configs import weighted_config
 from launcher.stack import Stack
 from launcher.vllm import (
     BLOCK_SIZE,
@@ -172,25 +172,17 @@ class Published:
 
 
 def epp_config(hash_algo: str, hash_seed: str | None) -> str:
-    seed = "" if hash_seed is None else f"\n    hashSeed: {json.dumps(hash_seed)}"
-    return f"""\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-  parameters:
-    blockSize: {BLOCK_SIZE}
-    hashAlgo: {hash_algo}{seed}
-    tokenizer: {json.dumps(str(MODEL_DIR))}
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: precise-prefix-cache-scorer, weight: 3}}
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-"""
+    prefix: dict[str, Any] = {
+        "blockSize": BLOCK_SIZE,
+        "hashAlgo": hash_algo,
+        "tokenizer": str(MODEL_DIR),
+    }
+    if hash_seed is not None:
+        prefix["hashSeed"] = hash_seed
+    return weighted_config(
+        {"precise-prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2},
+        {"precise-prefix-cache-scorer": prefix},
+    )
 
 
 @dataclass
