@@ -25,7 +25,8 @@ from tests.deploy.buildah import (
 )
 from tests.deploy.chart import PROJECT_ROOT, Helm
 
-pytestmark = pytest.mark.slow
+# Building the image takes over a minute: `make test` leaves it to CI (`make test-all`).
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

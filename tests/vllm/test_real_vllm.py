@@ -459,6 +459,7 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
         ), address
 
 
+@pytest.mark.heavy  # restarts both vLLM servers twice: about a minute
 def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_routed(
     servers: dict[str, VLLMServer],
     feed: IndexFeed,
