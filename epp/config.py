@@ -345,7 +345,7 @@ def _allowed_keys(root: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
 # Completing and checking a parsed config
 
 
-def plugin_roles(cls: type[Plugin]) -> frozenset[str]:
+def plugin_roles(cls: type[Plugin[Any]]) -> frozenset[str]:
     """The scheduling roles a plugin class can play, from the methods it has: ``filter``,
     ``scorer``, ``picker``, ``profile-handler``.  (The protocols have a ``name`` attribute,
     so ``issubclass`` cannot check a class against them.)"""
@@ -371,7 +371,7 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     and fill in the defaults.  Returns a new, complete config; idempotent."""
     problems: list[str] = []
     plugins: list[PluginSpec] = []
-    classes: dict[str, type[Plugin]] = {}  # name → class, for plugins whose type is known
+    classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
     ignored: set[str] = set()
 
@@ -561,7 +561,7 @@ def build_scheduler(
     and checked again).  Raises `ConfigError`."""
     config = resolve_config(config)
     source = "<config>"
-    instances: dict[str, Plugin] = {}
+    instances: dict[str, Plugin[Any]] = {}
     problems: list[str] = []
     for index, spec in enumerate(config.plugins):
         try:

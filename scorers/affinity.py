@@ -9,7 +9,15 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
+from scorers.base import (
+    Endpoint,
+    LLMRequest,
+    NoParameters,
+    Plugin,
+    PluginContext,
+    SchedulingResult,
+    register,
+)
 from scorers.request_data import SESSION_TOKEN, is_cold_request
 
 SESSION_TOKEN_HEADER = "x-session-token"
@@ -44,7 +52,7 @@ def decode_session_token(token: str) -> str | None:
 
 
 @register("session-affinity-scorer")
-class SessionAffinityScorer(Plugin):
+class SessionAffinityScorer(Plugin[NoParameters]):
     """Sends a session's requests back to the endpoint that served it before.
 
     Score: 1.0 for the endpoint named by the request header ``x-session-token``, 0 for the
@@ -71,7 +79,7 @@ class SessionAffinityScorer(Plugin):
 
 
 @register("lora-affinity-scorer")
-class LoraAffinityScorer(Plugin):
+class LoraAffinityScorer(Plugin[NoParameters]):
     """Prefers endpoints that already run the requested LoRA adapter (``request.model``), from
     vLLM's ``vllm:lora_requests_info``:
 
@@ -126,7 +134,7 @@ class NoHitLRUParameters(BaseModel):
 
 
 @register("no-hit-lru-scorer")
-class NoHitLRUScorer(Plugin):
+class NoHitLRUScorer(Plugin[NoHitLRUParameters]):
     """Spreads cold requests (no prefix scorer found a hit) over the endpoints that received a
     cold request longest ago, so new prefixes — and the cache growth they cause — spread
     evenly (llm-d).
@@ -143,13 +151,10 @@ class NoHitLRUScorer(Plugin):
     removed endpoints.
     """
 
-    Parameters = NoHitLRUParameters
-
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, NoHitLRUParameters)
-        self.lru_size = params.lruSize
-        self.prefill_profile = params.prefillProfile
+        self.lru_size = self.p.lruSize
+        self.prefill_profile = self.p.prefillProfile
         # address → None, least recently used first.
         self._used: OrderedDict[str, None] = OrderedDict()
 

@@ -19,7 +19,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal, Protocol, TypeVar, runtime_checkable
+from typing import (
+    Any,
+    ClassVar,
+    Final,
+    Generic,
+    Literal,
+    Protocol,
+    TypeVar,
+    cast,
+    get_args,
+    get_origin,
+    runtime_checkable,
+)
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -240,19 +252,51 @@ class PluginContext:
 
 
 class NoParameters(BaseModel):
+    """The parameters of a plugin that takes none: ``class QueueScorer(Plugin[NoParameters])``."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class Plugin:
-    """Base class of every plugin.  Subclasses set ``type_name`` (via `register`) and, if they
-    take parameters, a pydantic ``Parameters`` model with documented defaults and ranges."""
+ParamsT = TypeVar("ParamsT", bound=BaseModel)
+
+
+class Plugin(Generic[ParamsT]):
+    """Base class of every plugin, generic over its pydantic parameter model (documented
+    defaults and ranges; `NoParameters` for none)::
+
+        @register("dynamo-cost-scorer")
+        class DynamoCostScorer(Plugin[DynamoCostParameters]):
+            ...  # self.p is a DynamoCostParameters
+
+    `register` sets ``type_name``; the class attribute ``Parameters`` (what `create_plugin` and
+    the config loader validate YAML against) is derived from the type argument.  Subclasses of
+    a plugin inherit both.  The scheduler and the registry hold plugins as ``Plugin[Any]``."""
 
     type_name: ClassVar[str] = ""
     Parameters: ClassVar[type[BaseModel]] = NoParameters
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Only the class's own bases: ``class MaxScorePicker(_Picker)`` has none of its own and
+        # keeps the ``Parameters`` it inherits.  A type variable (a generic intermediate class)
+        # is not a model and leaves ``Parameters`` alone too.
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            origin = get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, Plugin):
+                (model,) = get_args(base)
+                if isinstance(model, type) and issubclass(model, BaseModel):
+                    cls.Parameters = model
+
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        if not isinstance(params, self.Parameters):
+            raise TypeError(
+                f"{type(self).__name__} {name!r} takes parameters of type "
+                f"{self.Parameters.__name__}, not {type(params).__name__}; build them with "
+                f"{type(self).__name__}.Parameters(...) or use create_plugin()"
+            )
         self.name = name
-        self.params = params
+        # `Parameters` is the ParamsT of this class (`__init_subclass__`), checked just above.
+        self.p = cast(ParamsT, params)
         self.context = context
 
 
@@ -349,8 +393,8 @@ class Lifecycle(Protocol):
 # ---------------------------------------------------------------------------------------------
 # Registry
 
-PluginT = TypeVar("PluginT", bound=type[Plugin])
-_REGISTRY: dict[str, type[Plugin]] = {}
+PluginT = TypeVar("PluginT", bound=type[Plugin[Any]])
+_REGISTRY: dict[str, type[Plugin[Any]]] = {}
 
 
 def register(type_name: str) -> Callable[[PluginT], PluginT]:
@@ -370,7 +414,7 @@ def registered_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def plugin_class(type_name: str) -> type[Plugin]:
+def plugin_class(type_name: str) -> type[Plugin[Any]]:
     try:
         return _REGISTRY[type_name]
     except KeyError:
@@ -381,7 +425,7 @@ def plugin_class(type_name: str) -> type[Plugin]:
 
 def create_plugin(
     type_name: str, name: str, parameters: Mapping[str, Any] | None, context: PluginContext
-) -> Plugin:
+) -> Plugin[Any]:
     """Instantiate a registered plugin, validating its parameters.  Errors name the bad field
     as ``parameters.<path>``; the config loader prefixes the plugin's position."""
     cls = plugin_class(type_name)

@@ -66,15 +66,11 @@ class _Active:
 
 
 @register("dynamo-cost-scorer")
-class DynamoCostScorer(Plugin):
+class DynamoCostScorer(Plugin[DynamoCostParameters]):
     """Dynamo's router cost; see the module docstring."""
-
-    Parameters = DynamoCostParameters
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, DynamoCostParameters)
-        self.p = params
         self._active: dict[str, _Active] = {}
         # request id → (endpoint, keys or None, anonymous block count)
         self._requests: dict[str, tuple[str, list[int] | None, int]] = {}

@@ -7,7 +7,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
+from scorers.base import Endpoint, LLMRequest, NoParameters, Plugin, PluginContext, register
 
 ROLE_LABEL = "llm-d.ai/role"
 """llm-d's disaggregation role label on model server pods."""
@@ -19,7 +19,7 @@ PREFILL_ROLES = frozenset(
 
 
 @register("decode-filter")
-class DecodeFilter(Plugin):
+class DecodeFilter(Plugin[NoParameters]):
     """Keeps endpoints that can decode: label ``llm-d.ai/role`` in {decode, prefill-decode,
     both, encode-prefill-decode}, or no role label at all (a plain aggregated server)."""
 
@@ -32,7 +32,7 @@ class DecodeFilter(Plugin):
 
 
 @register("prefill-filter")
-class PrefillFilter(Plugin):
+class PrefillFilter(Plugin[NoParameters]):
     """Keeps endpoints labelled to prefill: ``llm-d.ai/role`` in {prefill, encode-prefill,
     prefill-decode, both, encode-prefill-decode}.  Unlabelled endpoints are dropped."""
 
@@ -79,17 +79,14 @@ class LabelSelectorParameters(BaseModel):
 
 
 @register("label-selector-filter")
-class LabelSelectorFilter(Plugin):
+class LabelSelectorFilter(Plugin[LabelSelectorParameters]):
     """Keeps endpoints whose pod labels match a Kubernetes label selector
     (``matchLabels``, ``matchExpressions`` with In / NotIn / Exists / DoesNotExist)."""
 
-    Parameters = LabelSelectorParameters
-
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, LabelSelectorParameters)
-        self.match_labels = tuple(params.matchLabels.items())
-        self.match_expressions = tuple(params.matchExpressions)
+        self.match_labels = tuple(self.p.matchLabels.items())
+        self.match_expressions = tuple(self.p.matchExpressions)
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.match_labels) and all(

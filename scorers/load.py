@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, register
+from scorers.base import Endpoint, LLMRequest, NoParameters, Plugin, PluginContext, register
 
 
 def inverse_min_max(
@@ -50,7 +50,7 @@ def inverse_min_max(
 
 
 @register("queue-scorer")
-class QueueScorer(Plugin):
+class QueueScorer(Plugin[NoParameters]):
     """Shortest waiting queue (``vllm:num_requests_waiting``), min-max normalized over the
     candidates: ``(maxQ - q) / (maxQ - minQ)``; all equal → 1.0."""
 
@@ -59,7 +59,7 @@ class QueueScorer(Plugin):
 
 
 @register("running-requests-size-scorer")
-class RunningRequestsSizeScorer(Plugin):
+class RunningRequestsSizeScorer(Plugin[NoParameters]):
     """Fewest running requests (``vllm:num_requests_running``), min-max normalized like
     ``queue-scorer``."""
 
@@ -68,7 +68,7 @@ class RunningRequestsSizeScorer(Plugin):
 
 
 @register("kv-cache-utilization-scorer")
-class KVCacheUtilizationScorer(Plugin):
+class KVCacheUtilizationScorer(Plugin[NoParameters]):
     """Most free KV cache: ``1 - kv_cache_usage`` (usage clamped to [0, 1]); stale → 0."""
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
@@ -96,17 +96,14 @@ class LoadAwareParameters(BaseModel):
 
 
 @register("load-aware-scorer")
-class LoadAwareScorer(Plugin):
+class LoadAwareScorer(Plugin[LoadAwareParameters]):
     """llm-d's absolute queue scorer, not relative to the other candidates: waiting queue
     ``q = 0`` → 0.5; ``q ≥ threshold`` → 0; else ``0.5 · (1 - q / threshold)``; stale → 0.
     (The score tops out at 0.5 by llm-d's design, leaving room above for spare capacity.)"""
 
-    Parameters = LoadAwareParameters
-
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, LoadAwareParameters)
-        self.threshold = float(params.threshold)
+        self.threshold = float(self.p.threshold)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         threshold = self.threshold
@@ -123,7 +120,7 @@ class LoadAwareScorer(Plugin):
 
 
 @register("active-request-scorer")
-class ActiveRequestScorer(Plugin):
+class ActiveRequestScorer(Plugin[NoParameters]):
     """llm-d's in-flight scorer on the load the EPP observes itself
     (``Endpoint.load.in_flight_requests``, never stale): ``(max - n) / max`` over the
     candidates; all idle → 1.0."""

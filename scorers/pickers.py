@@ -23,13 +23,10 @@ class PickerParameters(BaseModel):
     )
 
 
-class _Picker(Plugin):
-    Parameters = PickerParameters
-
+class _Picker(Plugin[PickerParameters]):
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, PickerParameters)
-        self.max_endpoints = params.maxNumOfEndpoints
+        self.max_endpoints = self.p.maxNumOfEndpoints
 
 
 @register("max-score-picker")

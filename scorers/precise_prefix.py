@@ -317,33 +317,29 @@ class SilentPublishers:
 
 
 @register("precise-prefix-cache-scorer")
-class PrecisePrefixCacheScorer(Plugin):
+class PrecisePrefixCacheScorer(Plugin[PrecisePrefixParameters]):
     """Scorer, data producer, endpoint listener and lifecycle plugin; see the module docstring."""
-
-    Parameters = PrecisePrefixParameters
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, PrecisePrefixParameters)
-        self.p = params
-        self.tokenizers = TokenizerRegistry(dict(params.tokenizers)) if params.tokenizers else None
+        self.tokenizers = TokenizerRegistry(dict(self.p.tokenizers)) if self.p.tokenizers else None
         self._default_registry = (
-            TokenizerRegistry({"*": params.tokenizer}) if params.tokenizer else None
+            TokenizerRegistry({"*": self.p.tokenizer}) if self.p.tokenizer else None
         )
-        self._block_size: int | None = params.blockSize
+        self._block_size: int | None = self.p.blockSize
         self._hasher: PrefixHasher | None = None
         self._hasher_lock = threading.Lock()
         self.index: KVBlockIndex | None = None
         self._subscriber: SubscriberPool | CentralSubscriber | None = None
         self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
         self._warned: set[str] = set()
-        self.predictions = PredictedBlocks(params.speculativeTTL)
-        timeout = params.silentPublisherTimeout
+        self.predictions = PredictedBlocks(self.p.speculativeTTL)
+        timeout = self.p.silentPublisherTimeout
         self.silent_publishers = None if timeout is None else SilentPublishers(timeout)
         if self._block_size is not None:
             self._configure(self._block_size)
         # Fail at start-up, not on the first request, when the hash settings are impossible.
-        HashConfig(block_size=self._block_size or 16, algo=self._algo, seed=params.hashSeed)
+        HashConfig(block_size=self._block_size or 16, algo=self._algo, seed=self.p.hashSeed)
 
     @property
     def _algo(self) -> HashAlgo:

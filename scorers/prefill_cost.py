@@ -177,16 +177,12 @@ def _normal_cdf(z: float) -> float:
 
 
 @register("prefill-cost-scorer")
-class PrefillCostScorer(Plugin):
+class PrefillCostScorer(Plugin[PrefillCostParameters]):
     """Least time to the first token, weighed for the requests behind; module docstring."""
-
-    Parameters = PrefillCostParameters
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, PrefillCostParameters)
-        self.p = params
-        self.rates = ServiceRates(memory=params.rateMemory)
+        self.rates = ServiceRates(memory=self.p.rateMemory)
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations

@@ -250,7 +250,7 @@ class _RequestState:
 
 
 @register("prefix-cache-scorer")
-class PrefixCacheScorer(Plugin):
+class PrefixCacheScorer(Plugin[PrefixCacheParameters]):
     """Approximate prefix-cache affinity from routing history (see the module docstring).
 
     Roles: DataProducer (hashes the prompt and matches it before filtering, publishing
@@ -258,14 +258,11 @@ class PrefixCacheScorer(Plugin):
     on the primary target of each profile that ran), EndpointListener (forgets removed
     endpoints)."""
 
-    Parameters = PrefixCacheParameters
-
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, PrefixCacheParameters)
-        self.block_size = params.blockSize
-        self.max_blocks = params.maxPrefixBlocksToMatch
-        self.index = PrefixBlockIndex(params.lruCapacityPerServer)
+        self.block_size = self.p.blockSize
+        self.max_blocks = self.p.maxPrefixBlocksToMatch
+        self.index = PrefixBlockIndex(self.p.lruCapacityPerServer)
         self._state_key = f"{self.type_name}/{name}"
 
     def request_hashes(self, request: LLMRequest) -> list[int]:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from scorers.base import (
     LLMRequest,
+    NoParameters,
     Plugin,
     PluginConfigError,
     ProfileResult,
@@ -17,7 +18,7 @@ from scorers.base import (
 
 
 @register("single-profile-handler")
-class SingleProfileHandler(Plugin):
+class SingleProfileHandler(Plugin[NoParameters]):
     """Runs the one configured profile once; its result is the primary.  The config loader
     rejects a configuration with more than one profile and this handler (`max_profiles`)."""
 

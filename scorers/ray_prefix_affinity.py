@@ -62,18 +62,14 @@ def prompt_text(request: LLMRequest) -> str:
 
 
 @register("ray-prefix-cache-affinity-scorer")
-class RayPrefixAffinityScorer(Plugin):
+class RayPrefixAffinityScorer(Plugin[RayPrefixAffinityParameters]):
     """Ray Serve's ``PrefixCacheAffinityRouter``; see the module docstring."""
-
-    Parameters = RayPrefixAffinityParameters
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, RayPrefixAffinityParameters)
-        self.p = params
-        limit = params.maxTreeSizeChars
+        limit = self.p.maxTreeSizeChars
         self.tree = PrefixBlockIndex(
-            (1 << 62) if limit is None else max(1, limit // params.blockSizeChars)
+            (1 << 62) if limit is None else max(1, limit // self.p.blockSizeChars)
         )
 
     def _hashes(self, request: LLMRequest) -> tuple[list[int], int]:

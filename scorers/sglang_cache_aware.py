@@ -48,17 +48,13 @@ class CacheAwareParameters(BaseModel):
 
 
 @register("sglang-cache-aware-scorer")
-class SGLangCacheAwareScorer(Plugin):
+class SGLangCacheAwareScorer(Plugin[CacheAwareParameters]):
     """SGLang's ``cache_aware`` rule; see the module docstring."""
-
-    Parameters = CacheAwareParameters
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
-        assert isinstance(params, CacheAwareParameters)
-        self.p = params
-        block_tokens = max(1, params.blockSizeBytes // 4)
-        self.tree = PrefixBlockIndex(max(1, params.maxTreeSizeTokens // block_tokens))
+        block_tokens = max(1, self.p.blockSizeBytes // 4)
+        self.tree = PrefixBlockIndex(max(1, self.p.maxTreeSizeTokens // block_tokens))
 
     def _hashes(self, request: LLMRequest) -> list[int]:
         hashes: list[int] | None = request.data.get(_STATE)

@@ -620,9 +620,7 @@ class _ExplodingParameters(BaseModel):
 
 
 @register("test-exploding-scorer")
-class _ExplodingScorer(Plugin):
-    Parameters = _ExplodingParameters
-
+class _ExplodingScorer(Plugin[_ExplodingParameters]):
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         raise RuntimeError("no GPU today")
 

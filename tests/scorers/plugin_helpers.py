@@ -44,7 +44,7 @@ def make(
     ctx: PluginContext | None = None,
 ) -> Any:
     """A plugin instance, typed `Any` so tests call its role methods directly."""
-    plugin: Plugin = create_plugin(
+    plugin: Plugin[Any] = create_plugin(
         type_name, name or type_name, parameters, ctx if ctx is not None else context(seed)
     )
     return plugin
