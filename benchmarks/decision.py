@@ -36,6 +36,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from benchmarks.reports import write_json
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
@@ -108,7 +109,10 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def _one_decision(stub: Any, body: bytes) -> float:
+async def one_decision(stub: Any, body: bytes, *, must_route: bool = False) -> float:
+    """Seconds from sending a chat request's ext_proc headers and body on ``stub`` until the
+    EPP answers with a destination or an immediate response; with ``must_route`` an immediate
+    response (a rejection) raises instead."""
     headers = ep.HttpHeaders(
         headers=base_pb2.HeaderMap(
             headers=[
@@ -140,6 +144,8 @@ async def _one_decision(stub: Any, body: bytes) -> float:
     await queue.put(None)
     async for _ in call:
         pass
+    if must_route and not response.HasField("request_headers"):
+        raise RuntimeError(f"the EPP answered without a destination: {response}")
     return elapsed
 
 
@@ -175,8 +181,8 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
 
                 for name, make in _chat_cases(rng, size, shared).items():
                     for _ in range(5):  # warm-up: connections, first tokenizer load
-                        await _one_decision(stub, make())
-                    samples = [await _one_decision(stub, make()) for _ in range(requests)]
+                        await one_decision(stub, make())
+                    samples = [await one_decision(stub, make()) for _ in range(requests)]
                     results[f"chat {size // 1024}k {name}"] = _percentiles(samples)
     finally:
         await server.stop(grace=None)
@@ -229,8 +235,7 @@ def main() -> None:
     print(f"{'case':34} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
     for name, row in results.items():
         print(f"{name:34} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['mean_ms']:8.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.reports import write_json
 from indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -455,15 +456,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_table(section)
         sys.stdout.flush()
         figures += section
-    if args.json:
-        report = {
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "load_average_at_start": load,
-            "figures": [asdict(f) for f in figures],
-        }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    report = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load,
+        "figures": [asdict(f) for f in figures],
+    }
+    write_json(args.json, report)
     return 0
 
 

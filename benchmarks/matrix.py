@@ -31,6 +31,7 @@ best policy's hit rate and ≤ 1.03 × the best policy's TTFT p90; with no reuse
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import multiprocessing
@@ -47,7 +48,8 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.policies import POLICIES
-from benchmarks.replay import FleetSpec, PolicySummary, replay
+from benchmarks.replay import FleetSpec, PolicySummary, Replay
+from benchmarks.reports import command_line, write_json, write_markdown
 from benchmarks.routing import format_table
 from benchmarks.workloads import Workload
 from simulator.profiles import Profile, get_profile
@@ -206,8 +208,8 @@ def run_cell(task: tuple[Cell, int, float, str, tuple[str, ...]]) -> CellResult:
     ).hit_rate
     summaries = {}
     for name in names:
-        result = replay(workload, keys, fleet, POLICIES[name].config_yaml, policy=name, seed=seed)
-        summaries[name] = PolicySummary.of(result, warmup)
+        replay = Replay(workload, keys, fleet, POLICIES[name].config_yaml, policy=name, seed=seed)
+        summaries[name] = PolicySummary.of(asyncio.run(replay.run()), warmup)
     return CellResult(cell, seed, len(workload.requests), oracle, summaries)
 
 
@@ -456,30 +458,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(format_verdicts(items))
     print(f"\n{time.perf_counter() - started:.0f} s wall")
-    if args.json_out is not None:
-        report: dict[str, Any] = {
-            "command": "python -m benchmarks.matrix "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"),
-            "duration": args.duration,
-            "cells": [
-                {
-                    **asdict(r.cell),
-                    "seed": r.seed,
-                    "requests": r.requests,
-                    "oracle_hit_rate": r.oracle_hit_rate,
-                    "policies": {n: asdict(s) for n, s in r.policies.items()},
-                }
-                for r in results
-            ],
-            "verdicts": [
-                {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok}
-                for v in items
-            ],
-        }
-        args.json_out.write_text(json.dumps(report, indent=2))
-    if args.markdown is not None:
-        args.markdown.write_text(markdown(items))
+    report: dict[str, Any] = {
+        "command": command_line("benchmarks.matrix", argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "duration": args.duration,
+        "cells": [
+            {
+                **asdict(r.cell),
+                "seed": r.seed,
+                "requests": r.requests,
+                "oracle_hit_rate": r.oracle_hit_rate,
+                "policies": {n: asdict(s) for n, s in r.policies.items()},
+            }
+            for r in results
+        ],
+        "verdicts": [
+            {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok} for v in items
+        ],
+    }
+    write_json(args.json_out, report)
+    write_markdown(args.markdown, lambda: markdown(items))
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import random
@@ -46,12 +45,13 @@ from benchmarks.decision import (
     _chat,
     _chat_cases,
     _config,
-    _one_decision,
     _percentiles,
     _stored,
     _text,
+    one_decision,
 )
 from benchmarks.indexer import probe_memory
+from benchmarks.reports import write_json
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
@@ -129,9 +129,9 @@ async def latency(endpoints: int, sizes: list[int], requests: int, tok_dir: Path
                 n = max(20, requests * 2048 // size) if size > 8192 else requests
                 for name, make in _chat_cases(rng, size, shared).items():
                     for _ in range(5):
-                        await _one_decision(stub, make())
+                        await one_decision(stub, make())
                     bodies = [make() for _ in range(n)]
-                    samples = [await _one_decision(stub, b) for b in bodies]
+                    samples = [await one_decision(stub, b) for b in bodies]
                     out[f"{endpoints} endpoints, chat {size // 1024}k {name}"] = {
                         **_percentiles(samples),
                         "n": n,
@@ -158,7 +158,7 @@ def _load_generator(
             async def worker(k: int) -> None:
                 i = k
                 while time.monotonic() < deadline:
-                    latencies.append(await _one_decision(stub, bodies[i % len(bodies)]))
+                    latencies.append(await one_decision(stub, bodies[i % len(bodies)]))
                     i += streams
 
             await asyncio.gather(*(worker(k) for k in range(streams)))
@@ -386,8 +386,7 @@ def main() -> int:
                 f"{row['bytes_per_entry']:.1f} B/entry (RSS growth)"
             )
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

@@ -28,7 +28,6 @@ finish times.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import time
@@ -390,16 +389,3 @@ class Replay:
             wall_seconds=time.perf_counter() - started,
             decisions_per_pod=list(self._per_pod),
         )
-
-
-def replay(
-    workload: Workload,
-    keys: Sequence[array[int]],
-    fleet: FleetSpec,
-    config_yaml: str,
-    *,
-    policy: str = "policy",
-    seed: int = 0,
-) -> ReplayResult:
-    """Run one policy to completion (its own event loop)."""
-    return asyncio.run(Replay(workload, keys, fleet, config_yaml, policy=policy, seed=seed).run())

@@ -28,8 +28,8 @@ oracle's hit rate at the fleet's capacity.  Policies run in parallel processes (
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
-import json
 import multiprocessing
 import os
 import sys
@@ -43,7 +43,8 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.policies import POLICIES, Policy
-from benchmarks.replay import FleetSpec, PolicySummary, replay
+from benchmarks.replay import FleetSpec, PolicySummary, Replay
+from benchmarks.reports import command_line, write_json, write_markdown
 from benchmarks.workloads import Workload, WorkloadError
 from simulator.profiles import ProfileError, get_profile
 
@@ -74,8 +75,8 @@ def _run_one(task: tuple[int, str]) -> tuple[int, PolicySummary, list[int]]:
     step_index, name = task
     step = _STEPS[step_index]
     assert _FLEET is not None
-    result = replay(
-        step.workload, step.keys, _FLEET, _POLICIES[name].config_yaml, policy=name, seed=0
+    result = asyncio.run(
+        Replay(step.workload, step.keys, _FLEET, _POLICIES[name].config_yaml, policy=name).run()
     )
     return step_index, PolicySummary.of(result, _WARMUP[0]), result.decisions_per_pod
 
@@ -421,8 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scrape_interval": fleet.scrape_interval,
             "event_lag": fleet.event_lag,
         },
-        "command": "python -m benchmarks.routing "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.routing", argv),
         "steps": [],
     }
     for i, step in enumerate(steps):
@@ -451,12 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     report["wall_seconds"] = elapsed
     print(f"\n{len(tasks)} replays in {elapsed:.1f} s wall ({jobs} processes)")
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(report, indent=2))
+    write_json(args.json_out, report)
     if args.plot is not None:
         plot(report, args.plot)
-    if args.markdown is not None:
-        args.markdown.write_text(markdown(report))
+    write_markdown(args.markdown, lambda: markdown(report))
     return 0
 
 

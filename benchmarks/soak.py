@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.reports import write_json
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from launcher.observe import metric, scrape, true_entries, wait_for
 from launcher.stack import Stack
@@ -316,8 +317,7 @@ def main() -> int:
     for name, value in result["counters"].items():
         print(f"  {name} {value:,.0f}")
     print("checks:", json.dumps(result["checks"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0 if result["ok"] else 1
 
 

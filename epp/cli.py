@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 from epp.config import ConfigError, build_scheduler, load_config
 from epp.requests import DEFAULT_MAX_BODY_BYTES
@@ -260,37 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(
-        grpc_port=args.grpc_port,
-        grpc_health_port=args.grpc_health_port,
-        metrics_port=args.metrics_port,
-        host=args.host,
-        config_file=args.config_file,
-        config_text=args.config_text,
-        pool_name=args.pool_name,
-        pool_namespace=args.pool_namespace,
-        pool_group=args.pool_group,
-        endpoints=args.endpoints,
-        endpoints_file=args.endpoints_file,
-        kv_events_port=args.kv_events_port,
-        kv_events_replay_port=args.kv_events_replay_port,
-        refresh_metrics_interval=args.refresh_metrics_interval,
-        metrics_timeout=args.metrics_timeout,
-        saturation_staleness=args.saturation_staleness,
-        max_body_bytes=args.max_body_bytes,
-        drain_timeout=args.drain_timeout,
-        drain_quiet_period=args.drain_quiet_period,
-        tokenizer_workers=args.tokenizer_workers,
-        endpoint_failure_threshold=args.endpoint_failure_threshold,
-        endpoint_unreachable_after=args.endpoint_unreachable_after,
-        max_in_flight_per_endpoint=args.max_in_flight_per_endpoint,
-        admission_mode=args.admission_mode,
-        max_queued_requests=args.max_queued_requests,
-        max_queue_wait=args.max_queue_wait,
-        secure_serving=args.secure_serving,
-        cert_path=args.cert_path,
-        enable_cert_reload=args.enable_cert_reload,
-    )
+    """The parsed ``serve`` flags: each `ServerOptions` field is the flag of the same name."""
+    return ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
 
 
 def check_config(path: str) -> int:

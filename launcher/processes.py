@@ -110,8 +110,9 @@ def wait_grpc_ready(
 
 @dataclass(frozen=True)
 class PodPorts:
-    """A simulated pod's HTTP port, KV-event PUB port and replay ROUTER port on ``host`` (another
-    loopback address than 127.0.0.1 lets pods share port numbers, as pods of a cluster do)."""
+    """A pod's HTTP port, KV-event PUB port and replay ROUTER port on ``host`` (another loopback
+    address than 127.0.0.1 lets pods share port numbers, as pods of a cluster do): a simulated
+    pod's, or a real vLLM server's (`launcher.vllm.ServerSpec`)."""
 
     http: int
     pub: int

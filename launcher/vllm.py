@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from launcher.ports import reserve_port
+from launcher.processes import PodPorts
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = PROJECT_ROOT / "launcher" / "setup_vllm_env.sh"
@@ -136,9 +136,7 @@ class ServerSpec:
     seeds sha256* with ``"vllm-none-hash"``.  ``num_blocks`` × `BLOCK_SIZE` tokens of KV."""
 
     name: str
-    http_port: int
-    pub_port: int
-    replay_port: int
+    ports: PodPorts
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     num_blocks: int = 40
@@ -156,27 +154,15 @@ class ServerSpec:
 
     @classmethod
     def on_free_ports(cls, name: str, **kwargs: Any) -> ServerSpec:
-        return cls(name, reserve_port(), reserve_port(), reserve_port(), **kwargs)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return cls(name, PodPorts.free(), **kwargs)
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
-
-    @property
-    def kv_events_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.pub_port}"
-
-    @property
-    def replay_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
+        return f"http://{self.ports.address}"
 
     @property
     def topic(self) -> str:
-        return f"kv@{self.address}@{MODEL}"
+        return f"kv@{self.ports.address}@{MODEL}"
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -201,8 +187,8 @@ class VLLMServer:
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{spec.pub_port}",  # `*`: vLLM binds
-            "replay_endpoint": f"tcp://*:{spec.replay_port}",
+            "endpoint": f"tcp://*:{spec.ports.pub}",  # `*`: vLLM binds
+            "replay_endpoint": f"tcp://*:{spec.ports.replay}",
             "topic": spec.topic,
         }
         return [
@@ -216,9 +202,9 @@ class VLLMServer:
             "--load-format",
             "dummy",
             "--host",
-            "127.0.0.1",
+            spec.ports.host,
             "--port",
-            str(spec.http_port),
+            str(spec.ports.http),
             "--max-model-len",
             str(spec.max_model_len),
             "--dtype",

@@ -49,6 +49,7 @@ from benchmarks.realfleet.fleet import (
 from benchmarks.realfleet.routers import EppRouter, RouterStats, make_router, router_names
 from benchmarks.realfleet.workloads import WORKLOADS
 from benchmarks.replay import percentile
+from benchmarks.reports import command_line, write_json, write_markdown
 
 DEFAULT_ROUTERS = (
     "epp:default",
@@ -292,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     report: dict[str, Any] = {
-        "command": "python -m benchmarks.realfleet "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("benchmarks.realfleet", argv),
         "date": time.strftime("%Y-%m-%d"),
         "fleet": {
             "kind": fleet.kind,
@@ -335,10 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     report["wall_seconds"] = time.monotonic() - started
     print(f"\n{report['wall_seconds']:.0f} s in all")
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(report, indent=2))
-    if args.markdown is not None:
-        args.markdown.write_text(format_markdown(report))
+    write_json(args.json_out, report)
+    write_markdown(args.markdown, lambda: format_markdown(report))
     return 0
 
 

@@ -135,7 +135,12 @@ class VLLMFleet:
         self._running = vllm.start_servers(specs, log_dir)
         self.ready_after_s = [s.ready_after_s[-1] for s in self._running]
         return [
-            Server(s.spec.name, s.spec.address, s.spec.kv_events_url, s.spec.replay_url)
+            Server(
+                s.spec.name,
+                s.spec.ports.address,
+                s.spec.ports.kv_events_url,
+                s.spec.ports.replay_url,
+            )
             for s in self._running
         ]
 

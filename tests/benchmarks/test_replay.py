@@ -3,7 +3,9 @@ oracle is the fleet-wide LRU, workloads are deterministic, and the CLI writes it
 
 from __future__ import annotations
 
+import asyncio
 import json
+from array import array
 from itertools import pairwise
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from benchmarks import workloads
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.policies import POLICIES
-from benchmarks.replay import FleetSpec, PolicySummary, percentile, replay
+from benchmarks.replay import FleetSpec, PolicySummary, Replay, ReplayResult, percentile
 from benchmarks.routing import main
 from benchmarks.workloads import TraceRequest, Workload
 from simulator.profiles import TINY_CPU
@@ -39,12 +41,19 @@ TINY = Workload(
 FLEET = FleetSpec(pods=1, profile=TINY_CPU, capacity_tokens=4096, block_size=4)
 
 
-def keys() -> list[object]:
+def keys() -> list[array[int]]:
     return workloads.block_keys(TINY.requests, 4)
 
 
+def replay_tiny(policy: str, fleet: FleetSpec = FLEET) -> ReplayResult:
+    """`TINY` replayed to the end under ``policy``."""
+    return asyncio.run(
+        Replay(TINY, keys(), fleet, POLICIES[policy].config_yaml, policy=policy).run()
+    )
+
+
 def test_engine_counted_hits_match_the_hand_computation() -> None:
-    result = replay(TINY, keys(), FLEET, POLICIES["round-robin"].config_yaml)
+    result = replay_tiny("round-robin")
     cached = {r.request_id: r.cached_tokens for r in result.records}
     assert cached == {"r0": 0, "r1": 8, "r2": 4, "r3": 0}
     summary = PolicySummary.of(result)
@@ -57,7 +66,7 @@ def test_engine_counted_hits_match_the_hand_computation() -> None:
 
 
 def test_warmup_requests_are_replayed_but_not_measured() -> None:
-    result = replay(TINY, keys(), FLEET, POLICIES["random"].config_yaml)
+    result = replay_tiny("random")
     summary = PolicySummary.of(result, warmup=5.0)
     assert summary.requests == 3
     assert summary.hit_rate == pytest.approx(12 / 27)
@@ -77,7 +86,7 @@ def test_precise_policy_routes_back_to_the_pod_holding_the_prefix() -> None:
     r0's pod and the engine counts the hit."""
     fleet = FleetSpec(pods=2, profile=TINY_CPU, capacity_tokens=4096, block_size=4)
     for name in ("precise-weighted", "dynamo", "default"):
-        result = replay(TINY, keys(), fleet, POLICIES[name].config_yaml, policy=name)
+        result = replay_tiny(name, fleet)
         pods = {r.request_id: r.pod for r in result.records}
         assert pods["r1"] == pods["r0"] == pods["r2"], name
         assert sum(r.cached_tokens for r in result.records) == 12, name

@@ -6,6 +6,7 @@ stays consistent and within its bound."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import fields
 from typing import Any
 
 import msgpack
@@ -43,23 +44,9 @@ _events = st.one_of(
     st.builds(
         lambda t, f: {"type": t, **f},
         _tags,
+        # Every field the decoder knows (BlockRemoved's are a subset of BlockStored's).
         st.dictionaries(
-            st.sampled_from(
-                [
-                    "block_hashes",
-                    "parent_block_hash",
-                    "token_ids",
-                    "block_size",
-                    "lora_id",
-                    "medium",
-                    "lora_name",
-                    "extra_keys",
-                    "group_idx",
-                    "lookahead_token_ids",
-                ]
-            ),
-            _values,
-            max_size=8,
+            st.sampled_from([f.name for f in fields(BlockStored)]), _values, max_size=8
         ),
     ),
     st.builds(lambda t, rest: [t, *rest], _tags, st.lists(_values, max_size=12)),

@@ -272,10 +272,25 @@ async def subscribe(pool: SubscriberPool, sink: RecordingSink, pod: FakeVLLMPod)
     return await publish_until_delivered(pod, sink, "pod-a")
 
 
+async def pod_with_history(new_pod: PodFactory, batches: int) -> FakeVLLMPod:
+    """A new pod that published ``batches`` batches before anyone subscribed: they are in its
+    replay buffer only (a pod that was serving before the EPP started)."""
+    pod = await new_pod()
+    for _ in range(batches):
+        await pod.publish(live=False)
+    return pod
+
+
 def stats_of(pool: SubscriberPool, endpoint: str = "pod-a") -> FeedStats:
     stats = pool.endpoint_stats(endpoint)
     assert stats is not None, f"no stats for {endpoint}"
     return stats
+
+
+def assert_counts(pool: SubscriberPool, endpoint: str = "pod-a", **expected: int) -> None:
+    """The endpoint's `FeedStats` counters named in ``expected`` have exactly those values."""
+    stats = stats_of(pool, endpoint)
+    assert {name: getattr(stats, name) for name in expected} == expected
 
 
 @pytest.fixture
@@ -315,17 +330,14 @@ async def test_an_idle_pods_history_is_fetched_when_the_sub_connects(
 ) -> None:
     """A pod that cached blocks before the EPP started and then stays idle: its buffer is fetched
     as soon as the SUB connects, not at its next batch (which may never come)."""
-    pod = await new_pod()
-    for _ in range(5):
-        await pod.publish(live=False)  # before anyone subscribed
+    pod = await pod_with_history(new_pod, 5)
     pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
     await wait_until(lambda: sink.applied("pod-a") == [0, 1, 2, 3, 4], "the buffer fetched")
     assert pod.replay_requests == [0]
     # The live stream then continues from there, each batch once.
     last = await publish_and_wait(pod, sink, "pod-a", 3)
     assert sink.applied("pod-a") == list(range(last + 1))
-    stats = stats_of(pool)
-    assert (stats.resyncs, stats.gaps_detected, stats.restarts_detected) == (1, 0, 0)
+    assert_counts(pool, resyncs=1, gaps_detected=0, restarts_detected=0)
 
 
 async def test_live_messages_during_a_replay_are_held_and_applied_once_in_order(
@@ -420,8 +432,7 @@ async def test_gap_without_replay_is_counted_and_processing_continues(
     applied = sink.applied("pod-a")
     assert dropped not in applied
     assert applied[-3:] == [dropped + 1, dropped + 2, last]
-    stats = stats_of(pool)
-    assert (stats.gaps_detected, stats.gaps_unrecovered, stats.replays_requested) == (1, 1, 0)
+    assert_counts(pool, gaps_detected=1, gaps_unrecovered=1, replays_requested=0)
 
 
 async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
@@ -440,20 +451,18 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
         last = await publish_and_wait(pod, sink, "pod-a", 3)
         assert lost not in sink.applied("pod-a")
         assert sink.applied("pod-a")[-3:] == [lost + 1, lost + 2, last]
-        stats = stats_of(pool)
-        assert (stats.gaps_unrecovered, stats.replays_failed) == (0, 1)
+        assert_counts(pool, gaps_unrecovered=0, replays_failed=1)
 
         pod.answer_replays = True  # answers again (the replay socket was replaced meanwhile)
         await wait_until(lambda: lost in sink.applied("pod-a"), "the repair")
         applied = sink.applied("pod-a")
         assert applied[applied.index(lost) :] == list(range(lost, last + 1))
-        stats = stats_of(pool)
-        assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
+        assert_counts(pool, gaps_detected=1, gaps_recovered=1, gaps_unrecovered=0)
 
         # Once a replay got no answer, a later gap goes to the pending repair, not a replay
         # of its own (live batches are not held behind another timeout).
         pod.answer_replays = False
-        requests_before = stats.replays_requested
+        requests_before = stats_of(pool).replays_requested
         lost = await pod.publish(live=False)
         await publish_and_wait(pod, sink, "pod-a", 1)
         await wait_until(
@@ -491,9 +500,7 @@ async def test_gap_older_than_the_replay_buffer_rebuilds_the_pods_entries_from_i
         *(("apply", "pod-a", (0, seq)) for seq in range(last - 3, last + 1)),
     ]
     assert pod.replay_requests[-1] == first_lost
-    stats = stats_of(pool)
-    assert (stats.gaps_detected, stats.gaps_recovered, stats.gaps_unrecovered) == (1, 1, 0)
-    assert stats.full_resyncs == 1
+    assert_counts(pool, gaps_detected=1, gaps_recovered=1, gaps_unrecovered=0, full_resyncs=1)
 
 
 async def test_seq_going_back_means_restart_and_clears_before_new_batches(
@@ -508,8 +515,7 @@ async def test_seq_going_back_means_restart_and_clears_before_new_batches(
     clear_at = kinds.index(("clear", None))
     assert all(ident is not None and ident[0] == 0 for _, ident in kinds[:clear_at])
     assert [ident for _, ident in kinds[clear_at + 1 :]] == [(1, 0), (1, 1), (1, 2)]
-    stats = stats_of(pool)
-    assert (stats.restarts_detected, stats.gaps_detected) == (1, 0)
+    assert_counts(pool, restarts_detected=1, gaps_detected=0)
 
 
 async def test_pod_restarted_on_the_same_address_is_picked_up_again(
@@ -547,8 +553,7 @@ async def test_malformed_frames_and_bad_payloads_are_counted_and_dropped(
     applied = sink.applied("pod-a")
     assert bad_msgpack not in applied and not_a_batch not in applied
     assert applied[-2:] == [last - 1, last]
-    stats = stats_of(pool)
-    assert (stats.malformed_frames, stats.decode_errors, stats.gaps_detected) == (3, 2, 0)
+    assert_counts(pool, malformed_frames=3, decode_errors=2, gaps_detected=0)
 
 
 async def test_a_failing_sink_is_counted_and_delivery_continues(new_pod: PodFactory) -> None:

@@ -13,8 +13,9 @@ from tests.indexer.test_subscriber import (
     FakeVLLMPod,
     PodFactory,
     RecordingSink,
+    assert_counts,
+    pod_with_history,
     publish_and_wait,
-    stats_of,
     subscribe,
     wait_until,
 )
@@ -32,9 +33,7 @@ async def restarted_after_the_first_fetch(
     """A pod that cached 10 batches before ``pool`` subscribed to it as "pod-a", all applied from
     the first connection's fetch; then its process restarted on the same ports.  Returns the new
     process (generation 1), which has published nothing yet."""
-    pod = await new_pod()
-    for _ in range(10):
-        await pod.publish(live=False)
+    pod = await pod_with_history(new_pod, 10)
     pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
     await wait_until(lambda: sink.applied("pod-a") == list(range(10)), "the first fetch")
     await pod.close()
@@ -46,9 +45,7 @@ async def restarted_after_the_first_fetch(
 async def test_live_batches_during_the_first_connections_fetch_are_applied_once_in_order(
     pool: SubscriberPool, sink: RecordingSink, new_pod: PodFactory
 ) -> None:
-    pod = await new_pod()
-    for _ in range(5):
-        await pod.publish(live=False)  # cached before the EPP started
+    pod = await pod_with_history(new_pod, 5)
     pod.reply_delay_s = 0.2  # the fetch is still under way while the pod keeps publishing
     pool.add_endpoint("pod-a", pod.pub_url, pod.replay_url)
     await wait_until(lambda: len(pod.replay_requests) == 1, "the first connection's fetch")
@@ -59,8 +56,7 @@ async def test_live_batches_during_the_first_connections_fetch_are_applied_once_
     await wait_until(lambda: last in sink.applied("pod-a"), "the live stream after the fetch")
     # Whatever came both live and in the buffer was applied once; nothing was skipped.
     assert sink.applied("pod-a") == list(range(last + 1))
-    stats = stats_of(pool)
-    assert (stats.resyncs, stats.restarts_detected, stats.gaps_unrecovered) == (1, 0, 0)
+    assert_counts(pool, resyncs=1, restarts_detected=0, gaps_unrecovered=0)
 
 
 async def test_resync_on_demand_applies_what_a_silent_publisher_missed(
@@ -91,8 +87,7 @@ async def test_a_pod_restarted_before_it_published_live_is_noticed_on_reconnecti
     await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "the new cache")
     ops = [ident for _, ep, ident in sink.calls if ep == "pod-a"]
     assert ops[10] is None  # cleared before the new process's batches
-    stats = stats_of(pool)
-    assert stats.restarts_detected == 1
+    assert_counts(pool, restarts_detected=1)
 
 
 def _after_last_clear(sink: RecordingSink, endpoint: str) -> list[tuple[int, int] | None]:
@@ -140,8 +135,7 @@ async def test_a_reconnection_after_more_batches_than_the_buffer_holds_rebuilds_
         await back.publish(live=False)
     await wait_until(lambda: sink.applied("pod-a")[-1] == seen + 10, "the resync")
     assert _after_last_clear(sink, "pod-a") == [(0, s) for s in range(seen + 7, seen + 11)]
-    stats = stats_of(pool)
-    assert (stats.full_resyncs, stats.restarts_detected) == (1, 0)
+    assert_counts(pool, full_resyncs=1, restarts_detected=0)
 
 
 async def test_a_pod_reborn_with_an_empty_buffer_is_a_restart_before_it_publishes(
@@ -174,8 +168,7 @@ async def test_a_reconnection_fetch_that_fails_is_tried_once_more(
         await wait_until(lambda: len(reborn.replay_requests) >= 1, "the reconnection's fetch")
         reborn.answer_replays = True
         await wait_until(lambda: sink.applied("pod-a", generation=1) == [0, 1, 2], "the retry")
-        stats = stats_of(pool)
-        assert (stats.restarts_detected, stats.replays_failed) == (1, 1)
+        assert_counts(pool, restarts_detected=1, replays_failed=1)
 
 
 async def test_reconnect_hears_a_pod_again_after_libzmq_dropped_its_connection(

@@ -17,15 +17,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from benchmarks.decision import one_decision
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
@@ -152,28 +150,6 @@ async def extproc(llama3_tokenizer_dir: Path) -> AsyncIterator[int]:
         executor.shutdown(cancel_futures=True)
 
 
-async def _decide(stub: Any, body: bytes) -> float:
-    headers = ep.HttpHeaders(
-        headers=base_pb2.HeaderMap(
-            headers=[
-                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
-                base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-            ]
-        )
-    )
-    started = time.perf_counter()
-
-    async def messages() -> AsyncIterator[Any]:
-        yield ep.ProcessingRequest(request_headers=headers)
-        yield ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-
-    async for response in stub.Process(messages()):
-        if response.HasField("request_headers") or response.HasField("immediate_response"):
-            assert response.HasField("request_headers"), response
-            break
-    return time.perf_counter() - started
-
-
 async def test_the_event_loop_keeps_its_latency_while_32k_token_prompts_are_tokenized(
     extproc: int,
 ) -> None:
@@ -198,10 +174,12 @@ async def test_the_event_loop_keeps_its_latency_while_32k_token_prompts_are_toke
         f"127.0.0.1:{extproc}", options=[("grpc.max_send_message_length", 64 << 20)]
     ) as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
-        await _decide(stub, bodies[0])  # tokenizer warm-up
+        await one_decision(stub, bodies[0], must_route=True)  # tokenizer warm-up
         probing = asyncio.create_task(probe())
         started = time.perf_counter()
-        decisions = await asyncio.gather(*(_decide(stub, b) for b in bodies[1:]))
+        decisions = await asyncio.gather(
+            *(one_decision(stub, b, must_route=True) for b in bodies[1:])
+        )
         elapsed = time.perf_counter() - started
         stop.set()
         await probing

@@ -16,7 +16,8 @@ import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import pytest
 from epp.envoy_bootstrap import UPSTREAM_HOST_HEADER
 from launcher.observe import metric, scrape, true_entries, wait_for
 from launcher.stack import Stack
-from launcher.traffic import Traffic, chat_body, failures
+from launcher.traffic import Outcome, Traffic, chat_body, failures
 from tests.reliability.reporting import report
 
 pytestmark = pytest.mark.slow
@@ -101,23 +102,50 @@ def test_warm_up_the_fleet_serves_and_the_index_matches_the_pods(stack: Stack) -
         wait_for(lambda i=i: _converged(stack, i), f"pod {i} index converged", timeout=15)
 
 
-def test_a_killed_pod_is_left_out_then_taken_back(stack: Stack) -> None:
-    victim = stack.pods[1]
+@dataclass(frozen=True)
+class _Outage:
+    """What `_outage` saw: the traffic's outcomes and when things happened (``time.monotonic``
+    instants, durations in seconds)."""
+
+    outcomes: list[Outcome]
+    broken_at: float
+    detection: float  # from breaking the pod until the EPP marked it unreachable
+    mended_at: float
+    recovery: float  # from mending it until the EPP marked it reachable
+    back: float  # from mending it until it served a request again
+
+
+def _outage(
+    stack: Stack, pod: int, what: str, break_pod: Callable[[], None], mend_pod: Callable[[], None]
+) -> _Outage:
+    """Traffic through the gateway while pod ``pod`` is broken by ``break_pod`` until the EPP
+    marks it unreachable and two seconds more, then mended by ``mend_pod`` (even when the EPP
+    never noticed, so the next test finds the fleet whole) until it serves again."""
+    address = stack.pods[pod].address
     with Traffic(stack.gateway, rate=30, max_seconds=60) as traffic:
         time.sleep(1)
-        killed_at = time.monotonic()
-        stack.kill_pod(1)
-        detection = wait_for(lambda: _unreachable(stack) >= 1, "the killed pod marked unreachable")
-        time.sleep(2)
-        restarted_at = time.monotonic()
-        stack.start_pod(1)
+        broken_at = time.monotonic()
+        break_pod()
+        try:
+            detection = wait_for(lambda: _unreachable(stack) >= 1, f"the {what} pod unreachable")
+            time.sleep(2)
+        finally:
+            mended_at = time.monotonic()
+            mend_pod()
         recovery = wait_for(lambda: _unreachable(stack) == 0, "the pod reachable again")
         back = wait_for(
-            lambda: bool(_served_by(traffic.outcomes, victim.address, restarted_at)),
-            "a request served by the restarted pod",
+            lambda: bool(_served_by(traffic.outcomes, address, mended_at)),
+            f"a request served by the {what} pod once mended",
         )
         time.sleep(1)
-    outcomes = traffic.outcomes
+    return _Outage(traffic.outcomes, broken_at, detection, mended_at, recovery, back)
+
+
+def test_a_killed_pod_is_left_out_then_taken_back(stack: Stack) -> None:
+    victim = stack.pods[1]
+    outage = _outage(stack, 1, "killed", lambda: stack.kill_pod(1), lambda: stack.start_pod(1))
+    outcomes, killed_at, restarted_at = outage.outcomes, outage.broken_at, outage.mended_at
+    detection = outage.detection
     lost = [o for o in failures(outcomes) if o.sent_at >= killed_at - 1]
     # Lost: requests in flight on the pod when it died, and those routed there before the EPP
     # noticed.  Nothing sent after detection (plus one scrape of slack) may fail.
@@ -133,8 +161,8 @@ def test_a_killed_pod_is_left_out_then_taken_back(stack: Stack) -> None:
         detection_s=detection,
         lost_requests=len(lost),
         sent=len([o for o in outcomes if killed_at <= o.sent_at <= killed_at + detection]),
-        recovery_after_restart_s=recovery,
-        first_request_served_s=back,
+        recovery_after_restart_s=outage.recovery,
+        first_request_served_s=outage.back,
     )
     converged = wait_for(lambda: _converged(stack, 1), "restarted pod's index converged", 20)
     report("pod killed: index converged after restart", seconds=converged)
@@ -142,19 +170,11 @@ def test_a_killed_pod_is_left_out_then_taken_back(stack: Stack) -> None:
 
 def test_a_hung_pod_is_left_out_then_taken_back(stack: Stack) -> None:
     victim = stack.pods[1]
-    with Traffic(stack.gateway, rate=30, max_seconds=60) as traffic:
-        time.sleep(1)
-        hung_at = time.monotonic()
-        stack.hang_pod(1)
-        try:
-            detection = wait_for(lambda: _unreachable(stack) >= 1, "the hung pod unreachable")
-            time.sleep(2)
-        finally:
-            resumed_at = time.monotonic()
-            stack.hang_pod(1, hung=False)
-        recovery = wait_for(lambda: _unreachable(stack) == 0, "the pod reachable again")
-        time.sleep(1)
-    outcomes = traffic.outcomes
+    outage = _outage(
+        stack, 1, "hung", lambda: stack.hang_pod(1), lambda: stack.hang_pod(1, hung=False)
+    )
+    outcomes, hung_at, resumed_at = outage.outcomes, outage.broken_at, outage.mended_at
+    detection = outage.detection
     # A request sent just before the resume may be decided just after it (the parked scrape is
     # answered at once then, making the pod routable): only earlier ones count.
     routed_while_hung = [
@@ -173,7 +193,8 @@ def test_a_hung_pod_is_left_out_then_taken_back(stack: Stack) -> None:
         "pod hung (SIGSTOP)",
         detection_s=detection,
         requests_stalled_until_resume=len(stuck),
-        recovery_after_resume_s=recovery,
+        recovery_after_resume_s=outage.recovery,
+        first_request_served_s=outage.back,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -33,6 +33,16 @@ UNIT = Profile(
     decode_s_per_seq=1e-3,
     decode_s_per_context_token=0.0,
     kv_capacity_tokens=1024,
+)
+# UNIT with the other terms switched on too, for the timing tests: a 1 ms step overhead, a 5 ms
+# weights floor, attention over the context, and a decode cost per context token.
+TIMED = replace(
+    UNIT,
+    name="timed",
+    step_overhead_s=1e-3,
+    attention_s_per_token_pair=1e-7,
+    weights_floor_s=5e-3,
+    decode_s_per_context_token=1e-6,
 )
 
 
@@ -266,25 +276,15 @@ def test_abort_frees_blocks() -> None:
 
 
 def test_ttft_grows_with_uncached_tokens_and_attention_over_cached_context() -> None:
-    profile = Profile(
-        name="t",
-        description="",
-        step_overhead_s=2e-3,
-        linear_s_per_token=1e-4,
-        attention_s_per_token_pair=1e-7,
-        weights_floor_s=5e-3,
-        decode_s_per_seq=1e-4,
-        decode_s_per_context_token=1e-6,
-        kv_capacity_tokens=4096,
-    )
+    profile = TIMED
     engine = make_engine(256, block_size=16, profile=profile)
     ttfts = []
     for i, n in enumerate((100, 400, 1600)):
         engine.add_request(f"r{n}", [i + 1] * n, 1, float(i))
         ttfts.append(drain(engine).ttft(f"r{n}"))
     assert ttfts[0] < ttfts[1] < ttfts[2]
-    # 100 tokens: 2 ms + max(5 ms, 10 ms) + 1e-7 · 100 · 50
-    assert ttfts[0] == pytest.approx(2e-3 + 10e-3 + 1e-7 * 100 * 50)
+    # 100 tokens: 1 ms + max(5 ms, 100 ms) + 1e-7 · 100 · 50
+    assert ttfts[0] == pytest.approx(1e-3 + 100e-3 + 1e-7 * 100 * 50)
     assert ttfts[2] == pytest.approx(profile.prefill_time(1600))
 
     # A cached prefix removes the linear cost of its tokens, not the attention over them.
@@ -299,17 +299,7 @@ def test_ttft_grows_with_uncached_tokens_and_attention_over_cached_context() -> 
 
 
 def test_decode_step_time_grows_with_batch_size() -> None:
-    profile = Profile(
-        name="t",
-        description="",
-        step_overhead_s=1e-3,
-        linear_s_per_token=1e-4,
-        attention_s_per_token_pair=0.0,
-        weights_floor_s=5e-3,
-        decode_s_per_seq=2e-4,
-        decode_s_per_context_token=1e-6,
-        kv_capacity_tokens=8192,
-    )
+    profile = TIMED
 
     def inter_token_time(batch: int) -> float:
         engine = make_engine(512, block_size=16, profile=profile, record_token_times=True)
@@ -320,7 +310,7 @@ def test_decode_step_time_grows_with_batch_size() -> None:
 
     # step = overhead + max(floor, α·B) + c1·B + c2·(B · 66 tokens of context)
     for batch in (1, 8, 64):
-        expected = 1e-3 + max(5e-3, 1e-4 * batch) + 2e-4 * batch + 1e-6 * 66 * batch
+        expected = 1e-3 + max(5e-3, 1e-3 * batch) + 1e-3 * batch + 1e-6 * 66 * batch
         assert inter_token_time(batch) == pytest.approx(expected)
     assert inter_token_time(1) < inter_token_time(8) < inter_token_time(64)
 

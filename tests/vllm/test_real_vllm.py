@@ -43,12 +43,12 @@ from scorers.request_data import PREFIX_MATCHED_BLOCKS, PREFIX_TOTAL_BLOCKS
 from tests.vllm.vllm_support import (
     BLOCK_SIZE,
     MODEL,
-    MODEL_DIR,
     Gateway,
     IndexFeed,
     Published,
     VLLMServer,
     http_text,
+    precise_scorer_parameters,
     wait_for,
 )
 
@@ -113,14 +113,8 @@ class _Endpoints:
 
 
 def precise_scorer(address: str, algo: str, seed: str | None) -> PrecisePrefixCacheScorer:
-    params: dict[str, Any] = {
-        "blockSize": BLOCK_SIZE,
-        "hashAlgo": algo,
-        "tokenizer": str(MODEL_DIR),
-    }
-    if seed is not None:
-        params["hashSeed"] = seed
     context = PluginContext(endpoints=_Endpoints([Endpoint(address=address)]))
+    params = precise_scorer_parameters(algo, seed)
     plugin = create_plugin("precise-prefix-cache-scorer", "precise", params, context)
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     return plugin
@@ -158,7 +152,7 @@ def check_prompt_keys(
 ) -> tuple[list[int], list[int]]:
     """Tokenize and hash ``body`` the way the precise scorer does, serve it on ``server``, and
     check the keys against what the server published.  Returns the prompt's ids and keys."""
-    address = server.spec.address
+    address = server.spec.ports.address
     endpoints = [Endpoint(address=address)]
     plugin = precise_scorer(address, algo, seed)
     request = epp_request(body)
@@ -174,7 +168,7 @@ def check_prompt_keys(
     assert len(keys) == len(ids) // BLOCK_SIZE
 
     def stored_all() -> Published | None:
-        published = Published.fetch(server.spec.replay_url)
+        published = Published.fetch(server.spec.ports.replay_url)
         return published if all(k in published.stored for k in keys) else None
 
     published = wait_for(
@@ -243,8 +237,8 @@ def index_differences(
     feed: IndexFeed, server: VLLMServer, rekey: HashConfig | None = None
 ) -> list[str]:
     """Where the in-process index and the server's published stream disagree (empty: none)."""
-    expected = expected_index_keys(Published.fetch(server.spec.replay_url), rekey)
-    address = server.spec.address
+    expected = expected_index_keys(Published.fetch(server.spec.ports.replay_url), rekey)
+    address = server.spec.ports.address
 
     def read() -> list[str]:
         held = feed.index.endpoint_stats(address).blocks
@@ -287,7 +281,7 @@ def wait_epp_entries(
 
     def agree() -> bool:
         nonlocal expected, seen
-        expected = sum(len(Published.fetch(s.spec.replay_url).held) for s in servers.values())
+        expected = sum(len(Published.fetch(s.spec.ports.replay_url).held) for s in servers.values())
         seen = gateway.epp_metrics().get("inference_extension_kv_index_entries", -1.0)
         return seen == expected
 
@@ -373,7 +367,7 @@ def test_epp_started_after_the_servers_knows_what_they_cached(
     servers: dict[str, VLLMServer], gateway: Gateway
 ) -> None:
     # Server a cached the first tests' prompts before this EPP started; it has been idle since.
-    assert Published.fetch(servers["a"].spec.replay_url).held
+    assert Published.fetch(servers["a"].spec.ports.replay_url).held
     wait_epp_entries(gateway, servers, timeout=10)
 
 
@@ -416,7 +410,7 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
         a.completion(text(seed, 250), max_tokens=1)
 
     def with_removals() -> Published | None:
-        published = Published.fetch(a.spec.replay_url)
+        published = Published.fetch(a.spec.ports.replay_url)
         return published if published.removed else None
 
     published = wait_for(with_removals, "vLLM to publish BlockRemoved")
@@ -428,18 +422,18 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
     wait_index_matches(feed, a, rekey=None)
     gone = [k for k in published.removed if k not in published.held]
     assert gone
-    assert feed.read(partial(held_by, feed, a.spec.address, gone)) == []
+    assert feed.read(partial(held_by, feed, a.spec.ports.address, gone)) == []
     wait_epp_entries(gateway, servers)
 
     # A cache reset (AllBlocksCleared): every index forgets all that server held.  vLLM queues
     # the event and publishes it with the next scheduler step's batch, so serve one more prompt.
-    before_reset = set(Published.fetch(a.spec.replay_url).held)
+    before_reset = set(Published.fetch(a.spec.ports.replay_url).held)
     assert before_reset
     wait_for(a.reset_prefix_cache, "vLLM to accept POST /reset_prefix_cache")
     a.completion(text(709, 60), max_tokens=1)
 
     def cleared() -> Published | None:
-        published = Published.fetch(a.spec.replay_url)
+        published = Published.fetch(a.spec.ports.replay_url)
         return published if published.cleared else None
 
     after_reset = wait_for(cleared, "vLLM to publish AllBlocksCleared")
@@ -449,7 +443,10 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
     wait_epp_entries(gateway, servers)
 
     for address, in_feed in feed.read(
-        lambda: {s.spec.address: feed.pool.endpoint_stats(s.spec.address) for s in servers.values()}
+        lambda: {
+            s.spec.ports.address: feed.pool.endpoint_stats(s.spec.ports.address)
+            for s in servers.values()
+        }
     ).items():
         assert in_feed is not None
         assert (in_feed.decode_errors, in_feed.malformed_frames, in_feed.gaps_unrecovered) == (
@@ -483,7 +480,7 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
     old_keys = {}
     for name, server in servers.items():
         wait_index_matches(feed, server, rekey=None)
-        published = Published.fetch(server.spec.replay_url)
+        published = Published.fetch(server.spec.ports.replay_url)
         assert len(published.batches) >= 12 and published.held, name
         old_keys[name] = set(published.held)
 
@@ -503,7 +500,7 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
         # the new seq can overtake the old one (which would hide the reset).
         time.sleep(1.0)
         stats = feed.read(
-            lambda: [feed.pool.endpoint_stats(s.spec.address) for s in servers.values()]
+            lambda: [feed.pool.endpoint_stats(s.spec.ports.address) for s in servers.values()]
         )
         epp = gateway.epp_metrics().get("inference_extension_kv_events_restarts_detected", 0)
         return all(s is not None and s.restarts_detected == 1 for s in stats) and epp == 2
@@ -512,7 +509,7 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
 
     prefixes = {}
     for name, server in servers.items():
-        address = server.spec.address
+        address = server.spec.ports.address
         algo, hash_seed = new_config[name]
         # The new server's keys are those of its own configuration...
         shape = "chat" if name == "a" else "completions"
@@ -538,7 +535,7 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
     metrics = wait_for(mismatches_reported, "the EPP's inference_extension_kv_hash_mismatches")
     log = gateway.epp_log()
     for name, server in servers.items():
-        address = server.spec.address
+        address = server.spec.ports.address
         assert metrics[f'inference_extension_kv_hash_mismatches{{endpoint="{address}"}}'] >= 1
         line = next(
             (

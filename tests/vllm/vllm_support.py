@@ -48,6 +48,7 @@ __all__ = [
     "http_json",
     "http_text",
     "metric_values",
+    "precise_scorer_parameters",
     "unsupported_platform_reason",
     "wait_for",
 ]
@@ -171,17 +172,23 @@ class Published:
 # The EPP (``epp serve``, a subprocess) behind a real Envoy
 
 
-def epp_config(hash_algo: str, hash_seed: str | None) -> str:
-    prefix: dict[str, Any] = {
+def precise_scorer_parameters(hash_algo: str, hash_seed: str | None) -> dict[str, Any]:
+    """The precise prefix scorer's parameters for the servers' model and block size, hashing as
+    servers started with ``hash_algo`` and ``PYTHONHASHSEED=hash_seed`` (None: unset) do."""
+    parameters: dict[str, Any] = {
         "blockSize": BLOCK_SIZE,
         "hashAlgo": hash_algo,
         "tokenizer": str(MODEL_DIR),
     }
     if hash_seed is not None:
-        prefix["hashSeed"] = hash_seed
+        parameters["hashSeed"] = hash_seed
+    return parameters
+
+
+def epp_config(hash_algo: str, hash_seed: str | None) -> str:
     return weighted_config(
         {"precise-prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2},
-        {"precise-prefix-cache-scorer": prefix},
+        {"precise-prefix-cache-scorer": precise_scorer_parameters(hash_algo, hash_seed)},
     )
 
 
@@ -219,15 +226,7 @@ class Gateway:
     def start(
         cls, workdir: Path, servers: Iterable[ServerSpec], hash_algo: str, hash_seed: str | None
     ) -> Gateway:
-        endpoints = [
-            {
-                "address": s.address,
-                "name": s.name,
-                "kvEventsUrl": s.kv_events_url,
-                "replayUrl": s.replay_url,
-            }
-            for s in servers
-        ]
+        endpoints = [s.ports.endpoint(s.name) for s in servers]
         stack = Stack.start(
             workdir,
             None,
@@ -266,7 +265,8 @@ class IndexFeed:
         # A short reconnect backoff: a restarted server's first batches reach us promptly.
         pool = SubscriberPool(self.index, SubscriberConfig(reconnect_ivl_max_ms=500))
         for spec in servers:
-            pool.add_endpoint(spec.address, spec.kv_events_url, spec.replay_url)
+            ports = spec.ports
+            pool.add_endpoint(ports.address, ports.kv_events_url, ports.replay_url)
         return pool
 
     def read(self, fn: Callable[[], T]) -> T:
