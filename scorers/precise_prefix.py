@@ -66,6 +66,7 @@ from scorers.base import (
 )
 from scorers.request_data import (
     KV_CACHED_TOKENS,
+    PREFIX_BLOCK_KEYS,
     PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
@@ -76,11 +77,9 @@ logger = logging.getLogger(__name__)
 
 # request.data key private to this plugin: its weighted match per endpoint, read by `score`.
 _SCORES = "precise-prefix.scores"
-BLOCK_KEYS = "precise-prefix.keys"
-"""request.data key: ``list[int]``, the request's full-block keys as vLLM hashes them (written in
-``prepare``; read by PreRequest for predicted entries and by plugins that track blocks, such as
-``dynamo-cost-scorer``)."""
-_KEYS = BLOCK_KEYS
+# The request's block keys (scorers.request_data.PREFIX_BLOCK_KEYS): this plugin writes them in
+# prepare and reads them in PreRequest for predicted entries.
+_KEYS = PREFIX_BLOCK_KEYS
 # request.data keys private to this plugin, for the silent-publisher check: when the request was
 # prepared (clock time) and how many of its leading blocks each endpoint's own events had shown.
 _PREPARED_AT = "precise-prefix.prepared-at"

@@ -10,6 +10,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
                       + queued_e + 3 (s / p) · in_flight_e
                       + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight) · (copied_e − free_e)⁺
+           + F · (uncomputedTokenWeight − 1) · ū · N · (share_e − min share)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
   entries for requests just routed there).  Each costs its own prefill (1) and the delay it
@@ -32,6 +33,13 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   the fastest pod (slower hardware, a noisy neighbour): it scales the time ``e`` would take,
   not the eviction, which is paid by other requests later.  A factor rather than a price, so a
   pod holding the whole prompt stays the cheap choice unless it is many times slower.
+* ``F``: the follow-ups a request brings to the pod that gets it (`scorers.sessions`): learned
+  from how many requests continue an earlier one (a chat turn resends the conversation), 0 on
+  a fleet of one-off prompts.  ``ū``: uncached tokens per routed request; ``share_e``: ``e``'s
+  recent share of the routed requests, over ``N`` pods.  A new conversation commits its later
+  turns to the pod it lands on, and each delays the requests there as this one's prefill
+  would: conversations start where fewer requests go, at the price of copying a shared system
+  prompt; a conversation already cached stays where it is.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
@@ -75,12 +83,14 @@ from scorers.base import (
 )
 from scorers.request_data import (
     KV_CACHED_TOKENS,
+    PREFIX_BLOCK_KEYS,
     PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     RESPONSE_TIMING,
     ResponseTiming,
 )
 from scorers.service_rates import Rates, ServiceRates
+from scorers.sessions import SessionTracker
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +164,8 @@ class CostTerms(NamedTuple):
     slowness: float
     """What the pod's slowness adds to its own terms (prefill, queued, in flight, KV wait)."""
     kv_wait: float
+    sessions: float
+    """The follow-ups a new session would bring to a pod already taking more than its share."""
 
     @property
     def total(self) -> float:
@@ -183,6 +195,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         self.rates = ServiceRates(memory=self.p.rateMemory)
+        self.sessions = SessionTracker()
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
@@ -219,6 +232,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
         )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
+        # A new session's later turns go where it goes: each brings its uncached prefill, which
+        # delays the requests there (as ``delay`` prices this request's own) in proportion to
+        # how much more than the least loaded pod's share of the requests that pod takes.
+        future = self.sessions.expected_followups * delay * self.sessions.uncached
+        shares = {e.address: self.sessions.share(e.address) for e in endpoints}
+        least_share = min(shares.values(), default=0.0)
         costs: dict[str, CostTerms] = {}
         for endpoint in endpoints:
             address = endpoint.address
@@ -241,6 +260,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 in_flight=running,
                 slowness=(slow.get(address, 1.0) - 1.0) * own_time,
                 kv_wait=kv_wait,
+                sessions=future * len(endpoints) * (shares[address] - least_share),
             )
         return costs
 
@@ -315,6 +335,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             load.in_flight_prefill_tokens + uncached,
             load.in_flight_requests,
         )
+        self.sessions.observe(
+            request.data.get(PREFIX_BLOCK_KEYS),
+            endpoint.address,
+            pods=len(self.context.endpoints.endpoints()),
+            uncached=uncached,
+        )
 
     def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
         decision: tuple[int, int] | None = request.data.get(_DECISION)
@@ -341,6 +367,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
 
     def endpoint_removed(self, endpoint: Endpoint) -> None:
         self.rates.forget(endpoint.address)
+        self.sessions.forget(endpoint.address)
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
         rates = self.rates.rates()

@@ -33,6 +33,12 @@ KV_CACHED_TOKENS (``"kv.cached_tokens"``): ``dict[str, int]``
     Written by ``precise-prefix-cache-scorer`` for endpoints whose events are trusted; read by
     ``prefill-cost-scorer``.
 
+PREFIX_BLOCK_KEYS (``"precise-prefix.keys"``): ``list[int]``
+    The request's prompt block keys, as vLLM hashes its full blocks (64-bit, in order).  Written
+    by ``precise-prefix-cache-scorer`` during ``prepare``; read by ``dynamo-cost-scorer`` (its
+    per-pod active blocks) and ``prefill-cost-scorer`` (whether a request continues an earlier
+    one, `scorers.sessions`).
+
 PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
@@ -60,6 +66,7 @@ PREFIX_MATCHED_BLOCKS: Final = "prefix.matched_blocks"
 PREFIX_MATCHED_TOKENS: Final = "prefix.matched_tokens"
 PREFIX_COMPUTED_TOKENS: Final = "prefix.computed_tokens"
 PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
+PREFIX_BLOCK_KEYS: Final = "precise-prefix.keys"
 KV_CACHED_TOKENS: Final = "kv.cached_tokens"
 SESSION_TOKEN: Final = "session-token"
 RESPONSE_TIMING: Final = "response.timing"

@@ -15,6 +15,7 @@ from scorers.base import LLMRequest, PluginContext
 from scorers.pickers import MaxScorePicker
 from scorers.profiles import SingleProfileHandler
 from tests.epp.test_scraping import FakeVllm, eventually
+from tests.support.servers import running
 
 
 @pytest.fixture
@@ -185,6 +186,28 @@ async def test_an_endpoint_that_always_answers_slowly_is_given_time(pod: FakeVll
     finally:
         await scraper.stop()
         pod.delay = 0.0
+
+
+@pytest.mark.parametrize("peer_slow", [True, False])
+async def test_an_idle_pod_on_a_loaded_machine_is_given_the_pools_patience(
+    pod: FakeVllm, peer_slow: bool
+) -> None:
+    """Three vLLM-CPU servers on two cores: an idle one left /metrics unanswered for 3.1 s
+    while the others' answers took up to 2 s.  Its own answers had been quick, so only the
+    pool's slowness says the machine is loaded; with a quick pool the same silence is a hang."""
+    async with running(FakeVllm()) as peer:
+        peer.delay = 0.5 if peer_slow else 0.0
+        ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.1)
+        ds.upsert(EndpointSpec(address=peer.address))
+        await scraper.start()
+        try:
+            await eventually(lambda: scraper.status[peer.address].successes >= 2, timeout=5)
+            pod.delay = 1.2  # 12 periods of 0.1 s; fewer than 3 of 3 × the pool's mean 0.25 s
+            await asyncio.sleep(1.0)  # (checked before the late answer makes it reachable)
+            assert ds.is_reachable(pod.address) == peer_slow
+        finally:
+            await scraper.stop()
+            pod.delay = 0.0
 
 
 async def test_an_endpoint_answering_garbage_or_errors_stays_reachable(pod: FakeVllm) -> None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from scorers.base import Endpoint, EndpointLoad
-from scorers.precise_prefix import BLOCK_KEYS
-from scorers.request_data import PREFIX_MATCHED_TOKENS
+from scorers.request_data import PREFIX_BLOCK_KEYS, PREFIX_MATCHED_TOKENS
 from tests.scorers.plugin_helpers import make, request, result_for
 
 
@@ -14,7 +13,7 @@ def ep(address: str, queued: int = 0) -> Endpoint:
 
 def req(request_id: str, keys: list[int], matched: dict[str, int] | None = None) -> object:
     r = request(request_id, prompt=list(range(16 * len(keys))))
-    r.data[BLOCK_KEYS] = keys
+    r.data[PREFIX_BLOCK_KEYS] = keys
     r.data[PREFIX_MATCHED_TOKENS] = matched or {}
     return r
 

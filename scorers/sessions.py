@@ -1,0 +1,97 @@
+"""How much later traffic a placement commits: learned from whether requests continue earlier
+ones.
+
+A chat turn resends the whole conversation, so its prompt starts with the previous turn's prompt
+(and answer): its block keys contain the previous prompt's last full block key.  Counting how
+many requests continue an earlier one (`SessionTracker.observe`) gives the expected number of
+follow-ups a request brings with it: with a fraction ``c`` of requests being continuations, a
+session has ``1 / (1 − c)`` requests on average, so a new one brings ``c / (1 − c)`` more.  On
+a fleet of one-off prompts (shared system prompts, documents, unique questions) ``c`` is about 0
+and nothing changes; on multi-turn chat, where a conversation stays on the pod that holds it,
+placing its first turn places every later turn too.
+
+Exact repeats of a prompt are not continuations (their keys end at the earlier tip): reuse of a
+prefix is already priced by the prefix terms, only growth commits future load.
+
+It also keeps each pod's recent share of the routed requests (exponentially weighted), the load
+that placements committed: what a new session should avoid adding to.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+# Tips remembered: enough for every conversation open at once on a large pool (a tip is 8 bytes
+# of key and a dict slot; 65,536 of them are ~6 MiB).
+_TIPS = 65_536
+# A continuation arrives after its predecessor's answer, seconds to minutes later: remembering
+# the last tips is what matters, not how long.
+_CAP_FOLLOWUPS = 64.0
+"""Expected follow-ups are capped: a few endless sessions must not freeze placement."""
+
+
+# Requests per pod over which the shares and the continuation fraction are averaged
+# (exponential weights): long enough that a share is not one request's noise, short enough to
+# follow sessions that end and start.
+_MEMORY_PER_POD = 20
+
+
+_PRIOR = 10
+
+
+class SessionTracker:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._tips: OrderedDict[int, None] = OrderedDict()
+        self._continued = 0.0
+        self._observed = 0
+        self._shares: dict[str, float] = {}
+        self._uncached = 0.0
+
+    def observe(
+        self, keys: Sequence[int] | None, endpoint: str, *, pods: int, uncached: int
+    ) -> None:
+        """A request routed to ``endpoint`` (one of ``pods``) with prompt block keys ``keys``
+        (None: unknown), ``uncached`` of its prompt tokens not cached there."""
+        # Shares start at 0 and move by exponential weights over _MEMORY_PER_POD requests per
+        # pod: a few requests on one pod at start-up are not yet an imbalance.
+        alpha = 1.0 / (_MEMORY_PER_POD * max(1, pods))
+        for address in self._shares:
+            self._shares[address] *= 1.0 - alpha
+        self._shares[endpoint] = self._shares.get(endpoint, 0.0) + alpha
+        # The means start as plain means over the requests seen plus _PRIOR that continued
+        # nothing (one continuation among the first two is no session pattern yet).
+        self._observed += 1
+        mean = max(alpha, 1.0 / (self._observed + _PRIOR))
+        self._uncached += mean * (uncached - self._uncached)
+        if not keys:
+            return
+        tips = self._tips
+        # A continuation holds an earlier tip before its own last block.
+        continued = any(key in tips for key in keys[:-1])
+        self._continued += mean * (float(continued) - self._continued)
+        tip = keys[-1]
+        tips[tip] = None
+        tips.move_to_end(tip)
+        if len(tips) > _TIPS:
+            tips.popitem(last=False)
+
+    @property
+    def expected_followups(self) -> float:
+        """Requests expected to follow a request on the pod that holds it: c / (1 − c)."""
+        c = min(self._continued, 1.0 - 1.0 / (_CAP_FOLLOWUPS + 1.0))
+        return c / (1.0 - c)
+
+    @property
+    def uncached(self) -> float:
+        """Uncached prompt tokens per routed request: the prefill a session's next turn brings."""
+        return self._uncached
+
+    def share(self, endpoint: str) -> float:
+        """``endpoint``'s recent share of the routed requests (0 before any)."""
+        return self._shares.get(endpoint, 0.0)
+
+    def forget(self, endpoint: str) -> None:
+        self._shares.pop(endpoint, None)

@@ -1,0 +1,69 @@
+"""SessionTracker: continuations counted from block keys, and the pods' shares of routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from scorers.sessions import SessionTracker
+
+
+def _conversation(first: int, turns: int, blocks_per_turn: int = 3) -> list[list[int]]:
+    """Block keys of a conversation's prompts: each turn resends the previous ones."""
+    keys: list[int] = []
+    prompts = []
+    for turn in range(turns):
+        keys = keys + [first * 1000 + turn * blocks_per_turn + b for b in range(blocks_per_turn)]
+        prompts.append(list(keys))
+    return prompts
+
+
+def test_sessions_of_five_turns_bring_four_followups() -> None:
+    tracker = SessionTracker()
+    for conversation in range(200):
+        for keys in _conversation(conversation, 5):
+            tracker.observe(keys, "a", pods=10, uncached=10)  # averaged over 200
+    assert tracker.expected_followups == pytest.approx(4.0, rel=0.1)
+
+
+def test_one_off_prompts_and_exact_repeats_bring_none() -> None:
+    tracker = SessionTracker()
+    shared = [1, 2, 3, 4]
+    for question in range(100):
+        tracker.observe([*shared, 10_000 + question], "a", pods=1, uncached=1)
+        tracker.observe([*shared, 10_000 + question], "a", pods=1, uncached=1)  # a repeat
+    assert tracker.expected_followups == 0.0
+
+
+def test_unknown_keys_leave_the_fraction_alone() -> None:
+    tracker = SessionTracker()
+    for keys in _conversation(1, 3):
+        tracker.observe(keys, "a", pods=1, uncached=0)
+    before = tracker.expected_followups
+    tracker.observe(None, "a", pods=1, uncached=0)
+    assert tracker.expected_followups == before > 0
+
+
+def test_shares_follow_where_requests_went() -> None:
+    tracker = SessionTracker()
+    for i in range(300):
+        tracker.observe([i], "a" if i % 3 else "b", pods=2, uncached=0)
+    assert tracker.share("a") == pytest.approx(2 / 3, abs=0.1)
+    assert tracker.share("b") == pytest.approx(1 / 3, abs=0.1)
+    assert tracker.share("a") + tracker.share("b") == pytest.approx(1.0, abs=0.01)
+    tracker.forget("a")
+    assert tracker.share("a") == 0.0
+
+
+def test_uncached_tokens_per_request_are_averaged() -> None:
+    tracker = SessionTracker()
+    for i in range(400):
+        tracker.observe([i], "a", pods=10, uncached=100 if i % 2 else 300)
+    assert tracker.uncached == pytest.approx(200.0, rel=0.1)
+
+
+def test_a_few_requests_at_start_are_no_imbalance_yet() -> None:
+    tracker = SessionTracker()
+    for keys in _conversation(1, 2):
+        tracker.observe(keys, "a", pods=2, uncached=8)
+    assert tracker.share("a") < 0.1
+    assert tracker.expected_followups < 0.1
