@@ -25,7 +25,7 @@ the derivation is code, not folklore; the named profiles below state their input
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Final, TypedDict
 
 MIB: Final = 1024 * 1024
 GIB: Final = 1024 * MIB
@@ -220,6 +220,20 @@ H100_MEASURED_DECODE_FLOOR_S: Final = 8.0e-3
 H100_MEASURED_DECODE_PER_SEQ_S: Final = 23e-6
 H100_MEASURED_DECODE_PER_CONTEXT_TOKEN_S: Final = 42e-9
 
+
+class ModelShape(TypedDict):
+    """A dense model's shape, as `dense_gpu_profile` takes it."""
+
+    params: float
+    layers: int
+    d_model: int
+    kv_heads: int
+    head_dim: int
+
+
+LLAMA3_8B: Final = ModelShape(params=8.03e9, layers=32, d_model=4096, kv_heads=8, head_dim=128)
+"""Llama-3.1-8B (bf16: 128 KiB of KV per token)."""
+
 LLAMA3_8B_H100: Final = replace(
     dense_gpu_profile(
         name="llama3-8b-h100",
@@ -235,11 +249,7 @@ LLAMA3_8B_H100: Final = replace(
             "1 ms per running or waiting request (an API server streaming 256 responses answers "
             "in about a quarter of a second; assumed, not measured on a GPU)."
         ),
-        params=8.03e9,
-        layers=32,
-        d_model=4096,
-        kv_heads=8,
-        head_dim=128,
+        **LLAMA3_8B,
         gpu_bf16_flops=H100_SXM_BF16_FLOPS,
         gpu_hbm_bytes_per_s=H100_SXM_HBM_BYTES_PER_S,
         gpu_memory_bytes=H100_80GB_MEMORY_BYTES,
@@ -263,11 +273,7 @@ LLAMA3_8B_A100_32K: Final = replace(
             "µs/token), decode from the datasheet as dense_gpu_profile derives it (weights over "
             "80 % of the HBM bandwidth: 9.8 ms per step). /metrics as llama3-8b-h100."
         ),
-        params=8.03e9,
-        layers=32,
-        d_model=4096,
-        kv_heads=8,
-        head_dim=128,
+        **LLAMA3_8B,
         gpu_bf16_flops=A100_BF16_FLOPS,
         gpu_hbm_bytes_per_s=A100_80GB_HBM_BYTES_PER_S,
         gpu_memory_bytes=A100_80GB_MEMORY_BYTES,

@@ -4,6 +4,8 @@ leave them out of candidates (fail-open when none answers), and they come back o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -34,6 +36,23 @@ def _watching(
         ds, interval=0.02, timeout=timeout, failure_threshold=3, unreachable_after=unreachable_after
     )
     return ds, scraper
+
+
+@contextlib.asynccontextmanager
+async def _watched(
+    pod: FakeVllm, *, timeout: float, unreachable_after: float, peers: Sequence[FakeVllm] = ()
+) -> AsyncIterator[tuple[Datastore, MetricsScraper]]:
+    """`_watching` ``pod`` (and ``peers``), started; stopped and the pod answering at once
+    again on the way out."""
+    ds, scraper = _watching(pod, timeout=timeout, unreachable_after=unreachable_after)
+    for peer in peers:
+        ds.upsert(EndpointSpec(address=peer.address))
+    await scraper.start()
+    try:
+        yield ds, scraper
+    finally:
+        await scraper.stop()
+        pod.delay = 0.0
 
 
 def test_routable_leaves_out_unreachable_endpoints_and_fails_open() -> None:
@@ -94,9 +113,7 @@ async def test_a_refused_endpoint_is_unreachable_after_the_threshold_and_recover
 
 
 async def test_a_hung_endpoint_is_unreachable_before_its_scrape_times_out(pod: FakeVllm) -> None:
-    ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.2)
-    await scraper.start()
-    try:
+    async with _watched(pod, timeout=10.0, unreachable_after=0.2) as (ds, scraper):
         await eventually(lambda: scraper.status[pod.address].successes >= 1)
         pod.delay = 1.0  # accepts the connection, does not answer in time
         loop = asyncio.get_running_loop()
@@ -105,9 +122,6 @@ async def test_a_hung_endpoint_is_unreachable_before_its_scrape_times_out(pod: F
         assert loop.time() - started < 2.0  # long before the 10 s scrape timeout
         assert "waited" in ds.unreachable()[pod.address]
         assert ds.unreachable_marks == {"no_sign_of_life": 1}
-    finally:
-        await scraper.stop()
-        pod.delay = 0.0
 
 
 async def test_a_busy_endpoint_answering_late_stays_routable(pod: FakeVllm) -> None:
@@ -153,9 +167,7 @@ async def test_a_pod_prefilling_is_given_as_long_as_its_slowest_first_byte(
     unanswered for 3 s with no other sign of life.  A pod with prefill in flight whose recent
     first bytes took that long may stay silent that long; with nothing waiting there, the same
     silence is a hang."""
-    ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.1)
-    await scraper.start()
-    try:
+    async with _watched(pod, timeout=10.0, unreachable_after=0.1) as (ds, scraper):
         await eventually(lambda: scraper.status[pod.address].successes >= 3)
         ds.saw_first_byte(pod.address, 0.5)  # an earlier request's first byte took 0.5 s
         if prefilling:
@@ -166,26 +178,18 @@ async def test_a_pod_prefilling_is_given_as_long_as_its_slowest_first_byte(
         await asyncio.sleep(0.9)  # (checked before the late answer makes it reachable again)
         assert ds.is_reachable(pod.address) == prefilling
         assert ds.unreachable_marks_total == (0 if prefilling else 1)
-    finally:
-        await scraper.stop()
-        pod.delay = 0.0
 
 
 async def test_an_endpoint_that_always_answers_slowly_is_given_time(pod: FakeVllm) -> None:
     """On a loaded machine every answer is slow: the wait before silence counts grows with
     the endpoint's slowest recent answer, so steady 0.3 s answers are not taken for a hang."""
     pod.delay = 0.15
-    ds, scraper = _watching(pod, timeout=5.0, unreachable_after=0.2)
-    await scraper.start()
-    try:
+    async with _watched(pod, timeout=5.0, unreachable_after=0.2) as (ds, scraper):
         await eventually(lambda: scraper.status[pod.address].successes >= 3)
         pod.delay = 0.3
         await eventually(lambda: scraper.status[pod.address].successes >= 8)
         assert ds.unreachable_marks_total == 0
         assert scraper.status[pod.address].slowest_recent >= 0.25
-    finally:
-        await scraper.stop()
-        pod.delay = 0.0
 
 
 @pytest.mark.parametrize("peer_slow", [True, False])
@@ -197,17 +201,12 @@ async def test_an_idle_pod_on_a_loaded_machine_is_given_the_pools_patience(
     pool's slowness says the machine is loaded; with a quick pool the same silence is a hang."""
     async with running(FakeVllm()) as peer:
         peer.delay = 0.5 if peer_slow else 0.0
-        ds, scraper = _watching(pod, timeout=10.0, unreachable_after=0.1)
-        ds.upsert(EndpointSpec(address=peer.address))
-        await scraper.start()
-        try:
+        watched = _watched(pod, timeout=10.0, unreachable_after=0.1, peers=[peer])
+        async with watched as (ds, scraper):
             await eventually(lambda: scraper.status[peer.address].successes >= 2, timeout=5)
             pod.delay = 1.2  # 12 periods of 0.1 s; fewer than 3 of 3 × the pool's mean 0.25 s
             await asyncio.sleep(1.0)  # (checked before the late answer makes it reachable)
             assert ds.is_reachable(pod.address) == peer_slow
-        finally:
-            await scraper.stop()
-            pod.delay = 0.0
 
 
 async def test_an_endpoint_answering_garbage_or_errors_stays_reachable(pod: FakeVllm) -> None:
