@@ -70,6 +70,8 @@ class _Named(Protocol):
 
 
 _NamedPluginT = TypeVar("_NamedPluginT", bound=_Named)
+_ArgT = TypeVar("_ArgT")
+_ResultT = TypeVar("_ResultT")
 
 
 def plugin_type(plugin: object) -> str:
@@ -108,10 +110,7 @@ class SchedulerProfile:
     ) -> ProfileResult:
         endpoints: Sequence[Endpoint] = candidates
         for plugin in self.filters:
-            start = perf_counter()
-            endpoints = plugin.filter(request, endpoints)
-            if on_duration is not None:
-                on_duration(FILTER, plugin_type(plugin), plugin.name, perf_counter() - start)
+            endpoints = _timed(on_duration, FILTER, plugin, plugin.filter, request, endpoints)
             if not endpoints:
                 raise AllEndpointsFilteredError(
                     f"filter {plugin.name!r} ({plugin_type(plugin)}) in scheduling profile "
@@ -121,10 +120,7 @@ class SchedulerProfile:
         totals = dict.fromkeys((e.address for e in endpoints), 0.0)
         for weighted in self.scorers:
             scorer = weighted.scorer
-            start = perf_counter()
-            scores = scorer.score(request, endpoints)
-            if on_duration is not None:
-                on_duration(SCORER, plugin_type(scorer), scorer.name, perf_counter() - start)
+            scores = _timed(on_duration, SCORER, scorer, scorer.score, request, endpoints)
             weight = weighted.weight
             for address, score in scores.items():
                 # Clamp to [0, 1]; NaN fails `> 0` and counts as 0.  Addresses that are not
@@ -134,16 +130,29 @@ class SchedulerProfile:
 
         scored = [ScoredEndpoint(e, totals[e.address]) for e in endpoints]
         picker = self.picker
-        start = perf_counter()
-        targets = picker.pick(request, scored)
-        if on_duration is not None:
-            on_duration(PICKER, plugin_type(picker), picker.name, perf_counter() - start)
+        targets = _timed(on_duration, PICKER, picker, picker.pick, request, scored)
         if not targets:
             raise SchedulingError(
                 f"picker {picker.name!r} ({plugin_type(picker)}) in scheduling profile "
                 f"{self.name!r} returned no endpoint out of {len(scored)}"
             )
         return ProfileResult(targets=tuple(targets), scores=totals)
+
+
+def _timed(
+    on_duration: PluginDurationHook | None,
+    extension_point: str,
+    plugin: _Named,
+    method: Callable[[LLMRequest, _ArgT], _ResultT],
+    request: LLMRequest,
+    argument: _ArgT,
+) -> _ResultT:
+    """``method(request, argument)`` of ``plugin``, its duration reported to ``on_duration``."""
+    start = perf_counter()
+    result = method(request, argument)
+    if on_duration is not None:
+        on_duration(extension_point, plugin_type(plugin), plugin.name, perf_counter() - start)
+    return result
 
 
 class Scheduler:
@@ -320,16 +329,16 @@ class Scheduler:
         )
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
-        for listener in self.endpoint_listeners:
-            try:
-                listener.endpoint_added(endpoint)
-            except Exception:
-                logger.exception("endpoint listener %r failed on %s", listener.name, endpoint)
+        self._tell_listeners(endpoint, lambda listener: listener.endpoint_added(endpoint))
 
     def endpoint_removed(self, endpoint: Endpoint) -> None:
+        self._tell_listeners(endpoint, lambda listener: listener.endpoint_removed(endpoint))
+
+    def _tell_listeners(self, endpoint: Endpoint, call: Callable[[EndpointListener], None]) -> None:
+        """``call`` on every endpoint listener; one that fails is logged, the others still hear."""
         for listener in self.endpoint_listeners:
             try:
-                listener.endpoint_removed(endpoint)
+                call(listener)
             except Exception:
                 logger.exception("endpoint listener %r failed on %s", listener.name, endpoint)
 
