@@ -138,7 +138,11 @@ class ServiceRates:
         ):
             self._decode = self._ewma(self._decode, decode_s)
             self._output = self._ewma(self._output, float(output_tokens))
-            if running is not None and math.isfinite(running) and running >= 1:
+            # A request alone on its pod ran in a batch of exactly 1, which the difference of
+            # two large in-flight integrals gives as 1 ± 1e-13: rounding must not drop it (it
+            # once dropped every request decoding alone, and ``s`` was fitted on the rest).
+            if running is not None and math.isfinite(running) and running >= 1.0 - 1e-6:
+                running = max(1.0, running)
                 pool = running
                 if pool_running is not None and math.isfinite(pool_running):
                     pool = max(running, pool_running)

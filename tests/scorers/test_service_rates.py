@@ -157,3 +157,26 @@ def test_prefill_speed_once_trusted_is_kept_while_its_slope_stays_within_the_ban
     assert trusted.rates() is not None  # nor to stop
     feed(trusted, 0.05, 800)
     assert trusted.rates() is None
+
+
+def test_a_request_decoding_alone_counts_though_its_batch_rounds_below_one() -> None:
+    """The director computes the batch a request decoded in from two large in-flight
+    integrals: a request alone comes out as 1 ± 1e-13.  Dropping those (they are half of a
+    quiet pool's requests) fitted the step cost on busier requests only."""
+    rates = ServiceRates()
+    rng = random.Random(8)
+    for _ in range(600):
+        running = rng.choice((1, 1, 2))  # without the lone requests, no spread to fit
+        work = rng.choice((100, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=running - 1,
+            ttft_s=0.02 + 30e-6 * work,
+            decode_s=(0.01 + 1e-3 * running) * 49,
+            output_tokens=50,
+            running=running - 1e-13 if running == 1 else running,
+            pool_running=running,
+        )
+    learned = rates.rates()
+    assert learned is not None
+    assert learned.in_flight_s_per_request == pytest.approx(1e-3, rel=0.05)
