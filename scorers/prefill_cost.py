@@ -10,7 +10,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
                       + queued_e + 3 (s / p) · in_flight_e
                       + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight) · (copied_e − free_e)⁺
-           + F · (uncomputedTokenWeight − 1) · ū · N · (share_e − min share)
+           + F · (uncachedTokenWeight − 1) · ū · N · (share_e − min share)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
   entries for requests just routed there).  Each costs its own prefill (1) and the delay it
@@ -37,8 +37,10 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   from how many requests continue an earlier one (a chat turn resends the conversation), 0 on
   a fleet of one-off prompts.  ``ū``: uncached tokens per routed request; ``share_e``: ``e``'s
   recent share of the routed requests, over ``N`` pods.  A new conversation commits its later
-  turns to the pod it lands on, and each delays the requests there as this one's prefill
-  would: conversations start where fewer requests go, at the price of copying a shared system
+  turns to the pod it lands on, and the tokens each adds there cost what a copied token costs
+  beyond its own prefill (``uncachedTokenWeight − 1``: the delay it imposes and what it
+  evicts) on a pod taking more than its share of the requests, hence of the cache's demand:
+  conversations start where fewer requests go, at the price of copying a shared system
   prompt; a conversation already cached stays where it is.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
@@ -85,6 +87,7 @@ from scorers.request_data import (
     KV_CACHED_TOKENS,
     PREFIX_BLOCK_KEYS,
     PREFIX_COMPUTED_TOKENS,
+    PREFIX_MATCHED_BLOCKS,
     PREFIX_MATCHED_TOKENS,
     RESPONSE_TIMING,
     ResponseTiming,
@@ -232,10 +235,15 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
         )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
-        # A new session's later turns go where it goes: each brings its uncached prefill, which
-        # delays the requests there (as ``delay`` prices this request's own) in proportion to
-        # how much more than the least loaded pod's share of the requests that pod takes.
-        future = self.sessions.expected_followups * delay * self.sessions.uncached
+        # A new session's later turns go where it goes: each adds its uncached tokens there,
+        # which delay the requests there and evict what they displace (a copied token's price
+        # beyond its own prefill) in proportion to how much more than the least loaded pod's
+        # share of the requests, hence of the cache's demand, that pod takes.
+        future = (
+            self.sessions.expected_followups
+            * max(0.0, p.uncachedTokenWeight - 1.0)
+            * self.sessions.uncached
+        )
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
         least_share = min(shares.values(), default=0.0)
         costs: dict[str, CostTerms] = {}
@@ -335,11 +343,16 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             load.in_flight_prefill_tokens + uncached,
             load.in_flight_requests,
         )
+        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
+        matched: Mapping[str, int] = request.data.get(PREFIX_MATCHED_BLOCKS) or {}
         self.sessions.observe(
-            request.data.get(PREFIX_BLOCK_KEYS),
+            keys,
             endpoint.address,
             pods=len(self.context.endpoints.endpoints()),
             uncached=uncached,
+            # Its last full block is its own only if no pod holds it yet: a prompt whose text
+            # ends within a shared prefix's last block leaves no conversation tip.
+            new_tip=keys is not None and max(matched.values(), default=0) < len(keys),
         )
 
     def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:

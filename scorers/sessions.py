@@ -10,8 +10,9 @@ a fleet of one-off prompts (shared system prompts, documents, unique questions) 
 and nothing changes; on multi-turn chat, where a conversation stays on the pod that holds it,
 placing its first turn places every later turn too.
 
-Exact repeats of a prompt are not continuations (their keys end at the earlier tip): reuse of a
-prefix is already priced by the prefix terms, only growth commits future load.
+Exact repeats of a prompt are not continuations (their keys end at the earlier tip), and a tip
+counts once: reuse of a prefix is already priced by the prefix terms, only growth commits
+future load.
 
 It also keeps each pod's recent share of the routed requests (exponentially weighted), the load
 that placements committed: what a new session should avoid adding to.
@@ -51,10 +52,17 @@ class SessionTracker:
         self._uncached = 0.0
 
     def observe(
-        self, keys: Sequence[int] | None, endpoint: str, *, pods: int, uncached: int
+        self,
+        keys: Sequence[int] | None,
+        endpoint: str,
+        *,
+        pods: int,
+        uncached: int,
+        new_tip: bool = True,
     ) -> None:
         """A request routed to ``endpoint`` (one of ``pods``) with prompt block keys ``keys``
-        (None: unknown), ``uncached`` of its prompt tokens not cached there."""
+        (None: unknown), ``uncached`` of its prompt tokens not cached there; ``new_tip``: no pod
+        held its last full block yet (else it is no conversation's tip: see `observe`)."""
         # Shares start at 0 and move by exponential weights over _MEMORY_PER_POD requests per
         # pod: a few requests on one pod at start-up are not yet an imbalance.
         alpha = 1.0 / (_MEMORY_PER_POD * max(1, pods))
@@ -69,9 +77,18 @@ class SessionTracker:
         if not keys:
             return
         tips = self._tips
-        # A continuation holds an earlier tip before its own last block.
-        continued = any(key in tips for key in keys[:-1])
+        # A continuation holds an earlier tip before its own last block.  A tip continues once:
+        # the next turn of a conversation extends it, and then that turn's own tip; a tip that
+        # many prompts contain is a shared prefix's last block (a prompt whose own text ended
+        # inside its first block after a system prompt), not a conversation.
+        continued = False
+        for key in keys[:-1]:
+            if key in tips:
+                del tips[key]
+                continued = True
         self._continued += mean * (float(continued) - self._continued)
+        if not new_tip:
+            return
         tip = keys[-1]
         tips[tip] = None
         tips.move_to_end(tip)

@@ -67,3 +67,24 @@ def test_a_few_requests_at_start_are_no_imbalance_yet() -> None:
         tracker.observe(keys, "a", pods=2, uncached=8)
     assert tracker.share("a") < 0.1
     assert tracker.expected_followups < 0.1
+
+
+def test_a_tip_inside_a_shared_prefix_counts_once() -> None:
+    """A prompt whose own text ends inside its first block after a shared system prompt leaves
+    the system prompt's last block as its tip; the many prompts that share that block do not
+    continue a conversation."""
+    tracker = SessionTracker()
+    system = [1, 2, 3, 4]
+    tracker.observe(system, "a", pods=10, uncached=1)  # the short prompt: tip = block 4
+    for question in range(100):
+        tracker.observe([*system, 10_000 + question], "a", pods=10, uncached=1)
+    assert tracker.expected_followups < 0.05
+
+
+def test_a_prompt_ending_in_a_block_some_pod_holds_leaves_no_tip() -> None:
+    tracker = SessionTracker()
+    system = [1, 2, 3, 4]
+    for question in range(100):
+        tracker.observe(system, "a", pods=10, uncached=1, new_tip=False)  # held already
+        tracker.observe([*system, 10_000 + question], "a", pods=10, uncached=1)
+    assert tracker.expected_followups == 0.0
