@@ -31,8 +31,9 @@ from candidates, only when
   byte of a request routed there, no HTTP answer (`Datastore.saw_alive`) — for
   ``failure_threshold`` periods in a row of ``unreachable_after`` seconds each (or of three
   times the slowest recent answer, its own or the pool's mean, or, while prefill routed there
-  waits for its first byte, the pod's slowest recent first byte: whichever is longest).  That is a hung pod (SIGSTOP, a wedged
-  process whose kernel still accepts connections): 3 × 1 s by default.  One silent second is
+  waits for its first byte, the pod's slowest recent first byte: whichever is longest).  That
+  is a hung pod (SIGSTOP, a wedged process whose kernel still accepts connections): 3 × 1 s by
+  default.  One silent second is
   not enough: on a 2-core machine running three vLLM servers at a load average of 17, an idle
   server's ``/metrics`` once took just over a second to answer.
 
@@ -331,6 +332,9 @@ class MetricsScraper:
         self.unreachable_after = unreachable_after
         self.on_duration = on_duration
         self.status: dict[str, ScrapeStatus] = {}
+        # Sum of the statuses' slowest recent answers, kept as they change: the pool's mean
+        # without a pass over every endpoint for each scrape.
+        self._slowest_sum = 0.0
         self._parse = parse
         self._session = session
         self._owns_session = session is None
@@ -384,7 +388,9 @@ class MetricsScraper:
 
     def endpoint_removed(self, endpoint: Endpoint) -> None:
         self._cancel(endpoint.address)
-        self.status.pop(endpoint.address, None)
+        status = self.status.pop(endpoint.address, None)
+        if status is not None:
+            self._slowest_sum -= status.slowest_recent
 
     def _cancel(self, address: str) -> None:
         task = self._tasks.pop(address, None)
@@ -460,7 +466,9 @@ class MetricsScraper:
     def _answered(self, address: str, status: ScrapeStatus, duration: float) -> None:
         status.consecutive_refused = 0
         status.silent_periods = 0
-        status.slowest_recent = max(duration, status.slowest_recent * _SLOWEST_DECAY)
+        slowest = max(duration, status.slowest_recent * _SLOWEST_DECAY)
+        self._slowest_sum += slowest - status.slowest_recent
+        status.slowest_recent = slowest
         if self.on_duration is not None:
             self.on_duration(duration)
         self.datastore.saw_alive(address)
@@ -497,8 +505,7 @@ class MetricsScraper:
         is loaded, an idle pod's ``/metrics`` can be slow too before it has answered slowly
         itself (three vLLM-CPU servers on two cores: an idle one silent for 3.1 s while the
         others' answers took up to 2 s).  On pods of their own machines this stays small."""
-        statuses = self.status.values()
-        return sum(s.slowest_recent for s in statuses) / max(1, len(statuses))
+        return max(0.0, self._slowest_sum) / max(1, len(self.status))
 
     def _mark_unreachable(self, address: str, reason: str, category: str) -> None:
         if self.datastore.mark_unreachable(address, reason, category):

@@ -348,7 +348,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         self.sessions.observe(
             keys,
             endpoint.address,
-            pods=len(self.context.endpoints.endpoints()),
+            pods=len(result.profiles[result.primary_profile].scores),  # the candidates
             uncached=uncached,
             # Its last full block is its own only if no pod holds it yet: a prompt whose text
             # ends within a shared prefix's last block leaves no conversation tip.

@@ -24,20 +24,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 # Tips remembered: enough for every conversation open at once on a large pool (a tip is 8 bytes
-# of key and a dict slot; 65,536 of them are ~6 MiB).
+# of key and a dict slot; 65,536 of them are ~6 MiB).  A continuation arrives after its
+# predecessor's answer, seconds to minutes later: remembering the last tips is what matters,
+# not how long.
 _TIPS = 65_536
-# A continuation arrives after its predecessor's answer, seconds to minutes later: remembering
-# the last tips is what matters, not how long.
+# Expected follow-ups are capped: a few endless sessions must not freeze placement.
 _CAP_FOLLOWUPS = 64.0
-"""Expected follow-ups are capped: a few endless sessions must not freeze placement."""
-
-
 # Requests per pod over which the shares and the continuation fraction are averaged
 # (exponential weights): long enough that a share is not one request's noise, short enough to
 # follow sessions that end and start.
 _MEMORY_PER_POD = 20
-
-
+# Until warm, the continuation fraction and uncached tokens are plain means with this many
+# requests that continued nothing and brought nothing counted in.
 _PRIOR = 10
 
 
