@@ -38,11 +38,14 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
         assert r["requests"] == 12 and r["errors"] == 0, r["errors_sample"]
         # The servers' own counters: every request finished on one of them, warm-ups excluded.
         assert sum(r["per_server"]) == 12 and len(r["per_server"]) == 3
-        assert 0.0 < r["hit_rate"] <= 1.0  # shared system prompts: some reuse on any router
+        assert 0.0 <= r["hit_rate"] <= 1.0
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p90"] <= r["ttft_ms_p99"]
     # Round-robin spreads 12 requests evenly; the EPP's stats come from its own /metrics.
     assert results["epp:round-robin"]["per_server"] == [4, 4, 4]
     assert results["epp:default"]["router_stats"]["decision_ms_mean"] > 0
+    # Shared system prompts: the cache-aware default finds reuse.  Round-robin need not: its 12
+    # requests over 8 prompts × 3 servers can miss every pairing (once seen, 0.0 %).
+    assert results["epp:default"]["hit_rate"] > 0.0
     assert "hit rate" in workload["verdict"]
     table = (tmp_path / "out.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")]
