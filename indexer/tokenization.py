@@ -321,6 +321,7 @@ class PromptTokenizer:
         self._verify_every = verify_every
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._flights: dict[str, _Flight] = {}  # pieces being tokenized now, by one thread
         self._cache_max_tokens = cache_max_tokens
         self._cache_tokens = 0
         self._hits = self._misses = self._cached_tokens = self._encoded_tokens = 0
@@ -456,6 +457,21 @@ class PromptTokenizer:
                 "expected the prompt text"
             )
         return rendered
+
+    def warm(self) -> None:
+        """Tokenize a one-message chat and a text once, as a request would.
+
+        The first chat request otherwise compiles the Jinja template and takes the tokenizer's
+        first call: 5-10 ms on a 2-core machine, which every request queued behind it waits for
+        too.  Called where the tokenizer is loaded, before the EPP reports SERVING.  A model
+        without a usable chat template only logs it: its chat requests report the error
+        themselves, and its completions requests work.
+        """
+        self.encode_text("warm-up", add_special_tokens=True)
+        try:
+            self.encode_chat([{"role": "user", "content": "warm-up"}])
+        except TokenizationError as exc:
+            logger.info("tokenizer %s: chat template not warmed: %s", self.name, exc)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Tokenize text exactly like ``tokenizer.encode(text, add_special_tokens=...)``, cached."""
@@ -606,24 +622,34 @@ class PromptTokenizer:
 
         found: dict[str, tuple[int, ...]] = {}
         missing: list[str] = []
+        awaited: dict[str, _Flight] = {}
         with self._lock:
             entries = self._entries
+            flights = self._flights
             for piece in pieces:
-                if not isinstance(piece, str) or piece in found:
+                if not isinstance(piece, str) or piece in found or piece in awaited:
                     continue
                 cached = entries.get(piece)
-                if cached is None:
-                    if piece not in missing:
-                        missing.append(piece)
-                else:
+                if cached is not None:
                     entries.move_to_end(piece)
                     found[piece] = cached
                     self._hits += 1
                     self._cached_tokens += len(cached)
+                elif (flight := flights.get(piece)) is not None:
+                    awaited[piece] = flight
+                elif piece not in missing:
+                    missing.append(piece)
+                    flights[piece] = _Flight()
         if missing:
-            encoded = self._encode_pieces(missing)
-            found.update(zip(missing, encoded, strict=True))
-            self._store(missing, encoded)
+            self._encode_and_store(missing, found)
+        for piece, flight in awaited.items():
+            # Another thread is tokenizing this piece now (a burst of requests sharing a new
+            # system prompt): wait for its result rather than tokenize the same text again.
+            flight.done.wait()
+            if flight.ids is None:  # that thread failed; its error is its own request's
+                self._encode_and_store([piece], found, claimed=False)
+            else:
+                found[piece] = flight.ids
 
         ids: list[int] = []
         for piece in pieces:
@@ -655,6 +681,25 @@ class PromptTokenizer:
         encodings = self._encode_batch(pieces, add_special_tokens=False)
         return [tuple(map(canonical, encoding.ids)) for encoding in encodings]
 
+    def _encode_and_store(
+        self, pieces: list[str], found: dict[str, tuple[int, ...]], *, claimed: bool = True
+    ) -> None:
+        """Tokenize ``pieces`` into ``found`` and the cache; with ``claimed``, this thread
+        registered them as in flight and answers the threads waiting for them, failure
+        included (they then tokenize themselves)."""
+        encoded: list[tuple[int, ...]] | None = None
+        try:
+            encoded = self._encode_pieces(pieces)
+            found.update(zip(pieces, encoded, strict=True))
+            self._store(pieces, encoded)
+        finally:
+            if claimed:
+                with self._lock:
+                    for i, piece in enumerate(pieces):
+                        flight = self._flights.pop(piece)
+                        flight.ids = None if encoded is None else encoded[i]
+                        flight.done.set()
+
     def _store(self, pieces: list[str], encoded: list[tuple[int, ...]]) -> None:
         with self._lock:
             self._misses += len(pieces)
@@ -685,6 +730,16 @@ class PromptTokenizer:
             self.name,
             len(text),
         )
+
+
+class _Flight:
+    """One piece being tokenized by one thread, which the others that need it wait for."""
+
+    __slots__ = ("done", "ids")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ids: tuple[int, ...] | None = None  # None once done: the tokenization failed
 
 
 def live_segment_caches() -> dict[str, int]:
@@ -755,6 +810,7 @@ class TokenizerRegistry:
                     cache_max_tokens=self._cache_max_tokens,
                     verify_every=self._verify_every,
                 )
+                tokenizer.warm()
                 self._loaded[model] = tokenizer
         return tokenizer
 

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -480,6 +481,82 @@ def test_encoding_from_many_threads_is_safe(llama3_hf: Any) -> None:
             assert list(pool.map(tok.encode_chat, chats)) == expected
 
 
+def _slow_counting_encoder(tok: PromptTokenizer, fail_first: bool = False) -> dict[str, int]:
+    """Make ``tok``'s batch encoder slow (so concurrent callers overlap) and count how often
+    each piece is encoded; with ``fail_first`` the first call raises after its delay."""
+    encode = tok._encode_batch
+    counts: dict[str, int] = {}
+    calls = [0]
+    lock = threading.Lock()
+
+    def slow(pieces: list[str], add_special_tokens: bool) -> Any:
+        with lock:
+            calls[0] += 1
+            first = calls[0] == 1
+            for piece in pieces:
+                counts[piece] = counts.get(piece, 0) + 1
+        time.sleep(0.05)
+        if fail_first and first:
+            raise RuntimeError("tokenizer crashed")
+        return encode(pieces, add_special_tokens=add_special_tokens)
+
+    tok._encode_batch = slow
+    return counts
+
+
+def test_a_piece_wanted_by_many_threads_at_once_is_tokenized_once(llama3_hf: Any) -> None:
+    # A burst of requests sharing a system prompt nobody has sent yet: one thread tokenizes
+    # it, the others wait for that result instead of tokenizing the same text again.
+    tok = PromptTokenizer(llama3_hf, name="burst", chunk_chars=1_000_000)
+    counts = _slow_counting_encoder(tok)
+    system = "You are the support assistant. " * 60
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
+        for i in range(6)
+    ]
+    expected = [
+        tok.encode_uncached(tok.render_chat(messages), add_special_tokens=False)
+        for messages in chats
+    ]
+    start = threading.Barrier(len(chats))
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        start.wait()
+        return tok.encode_chat(messages)
+
+    with ThreadPoolExecutor(max_workers=len(chats)) as pool:
+        assert list(pool.map(encode, chats)) == expected
+    shared = [piece for piece in counts if system.strip() in piece]
+    assert shared and all(counts[piece] == 1 for piece in shared), counts
+
+
+def test_a_failed_tokenization_does_not_fail_the_threads_waiting_for_it(
+    llama3_hf: Any,
+) -> None:
+    tok = PromptTokenizer(llama3_hf, name="burst-failure", chunk_chars=1_000_000)
+    _slow_counting_encoder(tok, fail_first=True)
+    text = "a system prompt many requests share " * 40
+    start = threading.Barrier(2)
+
+    def encode(_: int) -> list[int] | str:
+        start.wait()
+        try:
+            return tok.encode_text(text, add_special_tokens=False)
+        except RuntimeError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(encode, range(2)))
+    # One thread's tokenization failed (its own request reports that); the other, which waited
+    # for it, tokenized the text itself.
+    assert sorted(results, key=str) == sorted(
+        ["tokenizer crashed", tok.encode_uncached(text, add_special_tokens=False)], key=str
+    )
+    assert tok.encode_text(text, add_special_tokens=False) == tok.encode_uncached(
+        text, add_special_tokens=False
+    )
+
+
 def _tiny_bpe(**changes: Any) -> Any:
     """A small trained byte-level BPE, wrapped like any transformers fast tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -655,6 +732,28 @@ def test_registry_loads_each_model_once_and_shares_it(
         registry.get("gpt-4")
     with pytest.raises(TokenizationError, match=r"'broken'.*does not exist"):
         registry.get("broken")
+
+
+def test_a_loaded_tokenizer_is_warm_and_a_template_that_fails_only_logs(
+    llama3_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Loading renders and tokenizes once (the first request would otherwise compile the Jinja
+    # template); a template that cannot render a one-message chat is reported, not fatal.
+    registry = TokenizerRegistry(
+        {
+            "ok": llama3_tokenizer_dir,
+            "bad-template": TokenizerSource(
+                str(llama3_tokenizer_dir), chat_template="{{ raise_exception('no chats') }}"
+            ),
+        }
+    )
+    assert registry.get("ok").stats().cache_entries > 0
+    with caplog.at_level("INFO", logger="indexer.tokenization"):
+        bad = registry.get("bad-template")
+    assert "tokenizer bad-template: chat template not warmed" in caplog.text
+    assert bad.encode_completion("Hello world, this is a test.") == [BOS, *HELLO_IDS]
+    with pytest.raises(TokenizationError, match="no chats"):
+        bad.encode_chat([{"role": "user", "content": "hi"}])
 
 
 # ------------------------------------------------------------------ chunks of long pieces
