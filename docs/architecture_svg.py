@@ -25,6 +25,7 @@ COLOURS = {
     "epp": ("#dbe8f6", "#4a78a8"),
     "scorers": ("#f8ebd5", "#a4772f"),
     "indexer": ("#dcf0dc", "#4b8b4b"),
+    "kvcache": ("#e6def3", "#6e56a0"),
 }
 
 LEFT, MID, RIGHT = (30, 430), (560, 310), (970, 400)  # column x and width
@@ -142,9 +143,9 @@ BOXES = [
     Box("decode", RIGHT, 6, "indexer", "decode (every vLLM wire form)",
         ("indexer/events.py",
          "decode_batch → KVEventBatch")),
-    Box("apply", RIGHT, 7, "scorers", "sink → index (hashes self-checked)",
-        ("scorers/precise_prefix.py → indexer/index.py",
-         "PrecisePrefixCacheScorer.apply → .apply")),
+    Box("apply", RIGHT, 7, "kvcache", "view → index (hashes self-checked)",
+        ("kvcache/view.py → indexer/index.py",
+         "KVCacheView.apply → KVBlockIndex.apply")),
     # Not in the EPP's process: what stands in for the grey boxes, and what deploys it.
     Box("around", RIGHT, 9, "outside", "around the EPP (other processes)",
         ("simulator/ simulated vLLM pods: HTTP, /metrics, ZMQ",
@@ -183,10 +184,10 @@ ARROWS: list[tuple[str, str, str, bool, tuple[tuple[float, float], ...]]] = [
 # Steps 5-7 are one plugin's data-producer step: a frame around them, its caption beside it.
 GROUP = (LEFT[0] - 8, row(5) - 7, LEFT[1] + 16, 2 * STEP + H + 14)
 GROUP_CAPTION = (
-    "steps 5-7 are one plugin's prepare():",
-    "PrecisePrefixCacheScorer.prepare",
-    "(scorers/precise_prefix.py), a data producer",
-    "run in the CPU executor before any scorer",
+    "steps 5-7: a plugin's prepare() through",
+    "its KV-cache view (kvcache/view.py):",
+    "PrecisePrefixCacheScorer.prepare, a data",
+    "producer, in the CPU executor",
 )
 
 HEADERS = [
@@ -270,6 +271,7 @@ def legend(out: list[str], y: float) -> None:
         ("outside", "outside the EPP"),
         ("epp", "epp/"),
         ("scorers", "scorers/ (plugins)"),
+        ("kvcache", "kvcache/ (the view)"),
         ("indexer", "indexer/ (vLLM compatibility)"),
     ]:
         fill, stroke = COLOURS[owner]

@@ -54,7 +54,6 @@ from epp.scraping import (
 from epp.telemetry import Telemetry
 from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
-from indexer.index import KVBlockIndex
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
 from scorers.base import GaugeSample, PluginContext
 
@@ -173,6 +172,10 @@ class EndpointPicker:
 
     async def start(self) -> None:
         opts = self.options
+        # The KV-cache views first: tokenizers loaded and warmed, subscribers ready for the
+        # endpoints discovery is about to add.
+        await self.context.kv_caches.start(self.executor)
+        self.datastore.add_listener(self.context.kv_caches)
         await self.scheduler.start()
         self.datastore.add_listener(self.scheduler)
         self.datastore.add_listener(self.scraper)
@@ -223,6 +226,7 @@ class EndpointPicker:
             await self.discovery.stop()
         await self.scraper.stop()
         await self.scheduler.stop()
+        await self.context.kv_caches.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _drain(self) -> None:
@@ -344,16 +348,7 @@ class EndpointPicker:
                     count,
                     (("reason", reason),),
                 )
-        for plugin in self.scheduler.plugins:
-            index = getattr(plugin, "index", None)
-            if isinstance(index, KVBlockIndex):
-                for address in index.endpoints():
-                    yield GaugeSample(
-                        "inference_extension_kv_index_endpoint_entries",
-                        "(block, endpoint) entries the precise KV-block index holds per endpoint.",
-                        index.endpoint_stats(address).blocks,
-                        (("endpoint", address),),
-                    )
+        yield from self.context.kv_caches.telemetry_samples()
 
         yield GaugeSample(
             "inference_extension_prefix_hasher_cached_blocks",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import (
+    TYPE_CHECKING,
     Any,
     ClassVar,
     Final,
@@ -34,6 +35,9 @@ from typing import (
 )
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+if TYPE_CHECKING:
+    from kvcache.views import KVCacheViews
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -240,11 +244,19 @@ class PluginContext:
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     executor: Executor | None = None  # bounded pool for CPU-heavy prepare steps
-    # Named shared services (the tokenizer registry, ...) keyed by a well-known name.
-    services: dict[str, Any] = field(default_factory=dict)
     # Tell the EPP an endpoint showed a sign of life (a KV-event batch from it arrived), so a
     # busy pod whose /metrics answers late is not taken for a dead one (epp.datastore).
     saw_alive: Callable[[str], None] = field(default=lambda address: None)
+    # The KV-cache views plugins read (kvcache.views); whoever runs the plugins starts, feeds and
+    # stops them.  Built in __post_init__ from this context's clock and saw_alive unless given
+    # (the default None only means that).
+    kv_caches: KVCacheViews = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.kv_caches is None:
+            from kvcache.views import KVCacheViews  # kvcache reads this module's types
+
+            self.kv_caches = KVCacheViews(clock=self.clock, saw_alive=self.saw_alive)
 
 
 # ---------------------------------------------------------------------------------------------

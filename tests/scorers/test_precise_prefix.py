@@ -103,9 +103,9 @@ def test_chat_prefix_held_by_one_pod_scores_highest(llama3_tokenizer_dir: Path) 
     system = {"role": "system", "content": "You are a support agent for ACME. " * 40}
     first = [system, {"role": "user", "content": "My router blinks red."}]
     # Pod A served the first turn: it caches every full block of that prompt.
-    plugin.apply(A, _stored(tok.encode_chat(first), block_size=16))
+    plugin.view.apply(A, _stored(tok.encode_chat(first), block_size=16))
     # Pod B only ever saw the system prompt alone.
-    plugin.apply(B, _stored(tok.encode_chat([system]), block_size=16))
+    plugin.view.apply(B, _stored(tok.encode_chat([system]), block_size=16))
 
     follow_up = _chat(
         [
@@ -128,8 +128,8 @@ def test_chat_prefix_held_by_one_pod_scores_highest(llama3_tokenizer_dir: Path) 
 def test_completions_with_token_ids_need_no_tokenizer_and_salt_separates_tenants() -> None:
     plugin = _plugin({"blockSize": 4})
     tokens = list(range(1000, 1040))
-    plugin.apply(A, _stored(tokens, block_size=4))
-    plugin.apply(B, _stored(tokens, block_size=4, salt="tenant-b"))
+    plugin.view.apply(A, _stored(tokens, block_size=4))
+    plugin.view.apply(B, _stored(tokens, block_size=4, salt="tenant-b"))
     plain = LLMRequest(request_id="1", model="m", prompt=tokens)
     assert _score(plugin, plain) == {A: 1.0, B: 0.0, C: 0.0}
     salted = LLMRequest(request_id="2", model="m", prompt=tokens, cache_salt="tenant-b")
@@ -140,11 +140,11 @@ def test_removed_blocks_stop_counting() -> None:
     plugin = _plugin({"blockSize": 4})
     tokens = list(range(1, 33))
     batch = _stored(tokens, block_size=4)
-    plugin.apply(A, batch)
+    plugin.view.apply(A, batch)
     stored = batch.events[0]
     assert isinstance(stored, BlockStored)
     # Evicting block 3 cuts the consecutive match at 3 blocks of 8.
-    plugin.apply(
+    plugin.view.apply(
         A, KVEventBatch(ts=1.0, events=(BlockRemoved(block_hashes=(stored.block_hashes[3],)),))
     )
     request = LLMRequest(request_id="r", model="m", prompt=tokens)
@@ -153,10 +153,10 @@ def test_removed_blocks_stop_counting() -> None:
 
 def test_block_size_is_learned_from_the_first_event() -> None:
     plugin = _plugin({})
-    assert plugin.block_size is None
+    assert plugin.view.block_size is None
     tokens = list(range(64))
-    plugin.apply(A, _stored(tokens, block_size=32))
-    assert plugin.block_size == 32
+    plugin.view.apply(A, _stored(tokens, block_size=32))
+    assert plugin.view.block_size == 32
     assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
 
 
@@ -166,7 +166,7 @@ def test_block_size_is_learned_from_cache_config_metrics() -> None:
     plugin = _plugin({}, eps)
     request = LLMRequest(request_id="r", model="m", prompt=list(range(40)))
     _score(plugin, request, eps)
-    assert plugin.block_size == 8
+    assert plugin.view.block_size == 8
     assert request.data[PREFIX_TOTAL_BLOCKS] == 5
 
 
@@ -179,8 +179,8 @@ def test_unknown_block_size_scores_zero_without_failing() -> None:
 def test_pod_with_a_different_seed_is_rekeyed_and_still_found() -> None:
     plugin = _plugin({"blockSize": 4, "hashSeed": "0"})
     tokens = [random.Random(1).randrange(50_000) for _ in range(32)]
-    plugin.apply(A, _stored(tokens, block_size=4, seed="42"))  # pod misconfigured
-    assert plugin.index is not None and plugin.index.mismatches == {A: 1}
+    plugin.view.apply(A, _stored(tokens, block_size=4, seed="42"))  # pod misconfigured
+    assert plugin.view.index is not None and plugin.view.index.mismatches == {A: 1}
     assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
 
 
@@ -191,14 +191,14 @@ def test_self_check_stops_after_self_check_blocks_verified(
     plugin = _plugin({"blockSize": 4, "selfCheckBlocks": limit})
     rng = random.Random(2)
     for _ in range(3):
-        plugin.apply(A, _stored([rng.randrange(50_000) for _ in range(32)], block_size=4))
-    index = plugin.index
+        plugin.view.apply(A, _stored([rng.randrange(50_000) for _ in range(32)], block_size=4))
+    index = plugin.view.index
     assert index is not None
     assert (index.verified_blocks_total, index.unchecked_blocks_total) == (verified, 24 - verified)
     # A pod that restarted with another seed is checked again, and re-keyed.
-    plugin.clear_endpoint(A)
+    plugin.view.clear_endpoint(A)
     tokens = [rng.randrange(50_000) for _ in range(32)]
-    plugin.apply(A, _stored(tokens, block_size=4, seed="42"))
+    plugin.view.apply(A, _stored(tokens, block_size=4, seed="42"))
     assert index.mismatches == {A: 1}
     assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 1.0
 
@@ -231,7 +231,7 @@ def test_lora_requests_hash_with_the_adapter_name_and_path(llama3_tokenizer_dir:
         lora_name="sql-lora",
         extra_keys=(("sql-lora",),) * 8,
     )
-    plugin.apply(A, KVEventBatch(ts=0.0, events=(event,)))
+    plugin.view.apply(A, KVEventBatch(ts=0.0, events=(event,)))
     lora = LLMRequest(request_id="r", model="sql-lora", prompt=tokens)
     base = LLMRequest(request_id="s", model="base", prompt=tokens)
     assert _score(plugin, lora)[A] == 1.0
@@ -241,8 +241,8 @@ def test_lora_requests_hash_with_the_adapter_name_and_path(llama3_tokenizer_dir:
 def test_endpoint_removal_drops_its_entries() -> None:
     plugin = _plugin({"blockSize": 4})
     tokens = list(range(16))
-    plugin.apply(A, _stored(tokens, block_size=4))
-    plugin.endpoint_removed(Endpoint(address=A))
+    plugin.view.apply(A, _stored(tokens, block_size=4))
+    plugin.view.endpoint_removed(Endpoint(address=A))
     assert _score(plugin, LLMRequest(request_id="r", model="m", prompt=tokens))[A] == 0.0
 
 
@@ -306,7 +306,7 @@ def test_a_burst_of_one_new_prefix_lands_on_one_pod_before_any_event() -> None:
     asyncio.run(plugin.prepare(request, eps))
     assert request.data[PREFIX_MATCHED_TOKENS] == {C: 40}
     assert request.data[PREFIX_COMPUTED_TOKENS] == 0  # nobody has computed it yet
-    assert plugin.index is not None and plugin.index.entries == 0  # predictions only
+    assert plugin.view.index is not None and plugin.view.index.entries == 0  # predictions only
 
 
 def test_predictions_expire_after_the_ttl() -> None:
@@ -317,20 +317,20 @@ def test_predictions_expire_after_the_ttl() -> None:
     assert _score(plugin, LLMRequest(request_id="r2", model="m", prompt=tokens), eps)[C] == 1.0
     clock.now += 0.2
     assert _score(plugin, LLMRequest(request_id="r3", model="m", prompt=tokens), eps)[C] == 0.0
-    assert not plugin.predictions
+    assert not plugin.view.predictions
 
 
 def test_real_and_predicted_blocks_join_and_events_supersede_predictions() -> None:
     plugin, _, eps = _speculative()
     tokens = list(range(32))  # 8 blocks of 4
-    plugin.apply(A, _stored(tokens[:8], block_size=4))  # A really holds blocks 0-1
-    plugin.predictions.add(A, block_hashes(tokens, block_size=4, algo="sha256")[2:5], 100.0)
+    plugin.view.apply(A, _stored(tokens[:8], block_size=4))  # A really holds blocks 0-1
+    plugin.view.predictions.add(A, block_hashes(tokens, block_size=4, algo="sha256")[2:5], 100.0)
     request = LLMRequest(request_id="r", model="m", prompt=tokens)
     asyncio.run(plugin.prepare(request, eps))
     assert request.data[PREFIX_MATCHED_BLOCKS] == {A: 5}  # 2 real + 3 predicted
     # A reports block 2 removed: its prediction goes, the run stops at block 2.
     removed = BlockRemoved(block_hashes=(block_hashes(tokens, block_size=4, algo="sha256")[2],))
-    plugin.apply(A, KVEventBatch(ts=1.0, events=(removed,)))
+    plugin.view.apply(A, KVEventBatch(ts=1.0, events=(removed,)))
     request = LLMRequest(request_id="r2", model="m", prompt=tokens)
     asyncio.run(plugin.prepare(request, eps))
     assert request.data[PREFIX_MATCHED_BLOCKS] == {A: 2}
@@ -347,4 +347,4 @@ def test_without_speculative_indexing_nothing_is_predicted() -> None:
     plugin = _plugin({"blockSize": 4})
     eps = _endpoints()
     _route(plugin, list(range(16)), eps, "r1")
-    assert not plugin.predictions
+    assert not plugin.view.predictions

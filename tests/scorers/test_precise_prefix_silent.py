@@ -13,6 +13,7 @@ import pytest
 from indexer.events import BlockStored, KVEventBatch
 from indexer.hashing import block_hashes
 from indexer.subscriber import SubscriberPool
+from kvcache.silent import SilentPublishers
 from scorers.base import (
     Endpoint,
     LLMRequest,
@@ -21,7 +22,7 @@ from scorers.base import (
     Usage,
     create_plugin,
 )
-from scorers.precise_prefix import PrecisePrefixCacheScorer, SilentPublishers
+from scorers.precise_prefix import PrecisePrefixCacheScorer
 from tests.support.clock import ManualClock
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -75,7 +76,7 @@ def _route(plugin: PrecisePrefixCacheScorer, prompt: list[int]) -> tuple[LLMRequ
 def _samples(plugin: PrecisePrefixCacheScorer, name: str) -> dict[str, float]:
     return {
         dict(s.labels).get("endpoint", ""): s.value
-        for s in plugin.telemetry_samples()
+        for s in plugin.view.telemetry_samples()
         if s.name == name
     }
 
@@ -84,8 +85,8 @@ def test_a_pod_that_served_new_blocks_and_published_nothing_is_marked_silent() -
     clock = ManualClock()
     plugin = _plugin(clock)
     shared = _tokens(1)
-    plugin.apply(A, _stored(shared))  # A has published before: a known publisher
-    plugin.apply(B, _stored(_tokens(2)))
+    plugin.view.apply(A, _stored(shared))  # A has published before: a known publisher
+    plugin.view.apply(B, _stored(_tokens(2)))
     assert _route(plugin, shared)[1][A] == 1.0
 
     # A request with 8 new blocks goes to A, completes; A publishes nothing.
@@ -100,12 +101,12 @@ def test_a_pod_that_served_new_blocks_and_published_nothing_is_marked_silent() -
     clock.now += 0.2
     request, scores = _route(plugin, shared)
     assert scores[A] == 0.0  # entries kept but not trusted
-    assert plugin.index is not None and plugin.index.endpoint_stats(A).blocks == 8
+    assert plugin.view.index is not None and plugin.view.index.endpoint_stats(A).blocks == 8
     assert _samples(plugin, "inference_extension_kv_events_silent_publisher") == {A: 1, B: 0}
     assert _samples(plugin, "inference_extension_kv_events_silent_publishers_detected") == {"": 1}
 
     # Its next batch (whatever it says) makes it trusted again.
-    plugin.apply(A, _stored(_tokens(3)))
+    plugin.view.apply(A, _stored(_tokens(3)))
     assert _route(plugin, shared)[1][A] == 1.0
     assert _samples(plugin, "inference_extension_kv_events_silent_publisher") == {A: 0, B: 0}
     assert _samples(plugin, "inference_extension_kv_events_silent_publishers_detected") == {"": 1}
@@ -129,24 +130,26 @@ def test_evidence_needs_new_blocks_and_no_batch_since_routing(
 ) -> None:
     clock = ManualClock()
     plugin = _plugin(clock)
-    plugin.apply(A, _stored(_tokens(1)))
+    plugin.view.apply(A, _stored(_tokens(1)))
     clock.now += 1
     request, _ = _route(plugin, _tokens(3))
     if published_after_routing:
         clock.now += 0.01
-        plugin.apply(A, _stored(_tokens(3)))
+        plugin.view.apply(A, _stored(_tokens(3)))
     clock.now += 0.5
     plugin.response_complete(request, A, usage)
     clock.now += 60
     _route(plugin, _tokens(4))
-    assert (A in (plugin.silent_publishers.silent if plugin.silent_publishers else {})) is marked
+    assert (
+        A in (plugin.view.silent_publishers.silent if plugin.view.silent_publishers else {})
+    ) is marked
 
 
 def test_without_cached_tokens_the_index_tells_what_the_pod_held() -> None:
     clock = ManualClock()
     plugin = _plugin(clock)
     prompt = _tokens(1)
-    plugin.apply(A, _stored(prompt))
+    plugin.view.apply(A, _stored(prompt))
     clock.now += 1
     # The index shows A holding all 8 blocks: nothing new to publish, no evidence.
     request, _ = _route(plugin, prompt)
@@ -155,7 +158,7 @@ def test_without_cached_tokens_the_index_tells_what_the_pod_held() -> None:
     plugin.response_complete(request, B, Usage(prompt_tokens=32, completion_tokens=1))
     clock.now += 60
     _route(plugin, prompt)
-    assert plugin.silent_publishers is not None and not plugin.silent_publishers.silent
+    assert plugin.view.silent_publishers is not None and not plugin.view.silent_publishers.silent
 
 
 def test_resuming_publisher_is_resynced_from_its_replay_buffer() -> None:
@@ -168,8 +171,8 @@ def test_resuming_publisher_is_resynced_from_its_replay_buffer() -> None:
             resyncs.append(endpoint)
             return True
 
-    plugin._subscriber = _Subscriber()  # type: ignore[assignment]
-    plugin.apply(A, _stored(_tokens(1)))
+    plugin.view._subscriber = _Subscriber()  # type: ignore[assignment]
+    plugin.view.apply(A, _stored(_tokens(1)))
     clock.now += 1
     request, _ = _route(plugin, _tokens(3))
     plugin.response_complete(request, A, Usage(prompt_tokens=32, completion_tokens=1))
@@ -177,8 +180,8 @@ def test_resuming_publisher_is_resynced_from_its_replay_buffer() -> None:
     _route(plugin, _tokens(4))
 
     async def resume() -> None:
-        plugin.apply(A, _stored(_tokens(5)))
-        plugin.apply(A, _stored(_tokens(6)))  # only the first batch after silence resyncs
+        plugin.view.apply(A, _stored(_tokens(5)))
+        plugin.view.apply(A, _stored(_tokens(6)))  # only the first batch after silence resyncs
         await asyncio.sleep(0)
 
     asyncio.run(resume())
@@ -203,14 +206,14 @@ def test_silent_publisher_timeout_takes_durations_or_null(
 ) -> None:
     plugin = _plugin(ManualClock(), silentPublisherTimeout=value)
     if seconds is None:
-        assert plugin.silent_publishers is None
+        assert plugin.view.silent_publishers is None
         # Off: completions are ignored and nothing is exported.
         request = LLMRequest(request_id="r", model="m", prompt=_tokens(1))
         plugin.response_complete(request, A, Usage(prompt_tokens=32, completion_tokens=1))
         assert not _samples(plugin, "inference_extension_kv_events_silent_publisher")
     else:
-        assert plugin.silent_publishers is not None
-        assert plugin.silent_publishers.timeout == seconds
+        assert plugin.view.silent_publishers is not None
+        assert plugin.view.silent_publishers.timeout == seconds
 
 
 @pytest.mark.parametrize("value", [0, -1, 3601, "soon"])
@@ -226,7 +229,7 @@ def test_a_pod_marked_silent_gets_a_new_subscription_once() -> None:
     plugin = _plugin(clock)
     reconnected: list[str] = []
 
-    plugin.apply(A, _stored(_tokens(1)))
+    plugin.view.apply(A, _stored(_tokens(1)))
     clock.now += 1
     request, _ = _route(plugin, _tokens(3))
     plugin.response_complete(request, A, Usage(prompt_tokens=32, completion_tokens=1))
@@ -235,7 +238,7 @@ def test_a_pod_marked_silent_gets_a_new_subscription_once() -> None:
     async def scrape_twice() -> None:
         pool = SubscriberPool(plugin)
         pool.reconnect = reconnected.append  # type: ignore[assignment,method-assign]
-        plugin._subscriber = pool
+        plugin.view._subscriber = pool
         try:
             # A scrape (on the event loop, as the metrics server runs) marks A silent.
             assert _samples(plugin, "inference_extension_kv_events_silent_publisher") == {A: 1}

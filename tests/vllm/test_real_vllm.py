@@ -184,7 +184,7 @@ def check_prompt_keys(
 
     # The scorer's own path: its index fed with the published batches scores the prompt 1.0.
     for payload in published.payloads:
-        plugin.apply(address, decode_batch(payload))
+        plugin.view.apply(address, decode_batch(payload))
     again = epp_request(body)
     asyncio.run(plugin.prepare(again, endpoints))
     assert plugin.score(again, endpoints) == {address: 1.0}
