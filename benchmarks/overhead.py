@@ -56,8 +56,8 @@ from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.extproc import start_extproc_server
+from indexer.endpoint_feed import _EndpointFeed
 from indexer.events import KVEventBatch, encode_batch
-from indexer.subscriber import _EndpointFeed
 from indexer.tokenization import PromptTokenizer
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from scorers.base import EndpointMetrics, PluginContext

@@ -41,7 +41,7 @@ from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director, TrackedDecision
 from indexer.events import KVEventBatch
-from indexer.subscriber import KVEventSink
+from indexer.subscriber_config import KVEventSink
 from scorers.base import EndpointMetrics, LLMRequest, PluginContext, Usage
 from simulator.engine import Engine
 from simulator.engine_config import EngineConfig
@@ -203,7 +203,7 @@ class Replay:
         self.datastore.add_listener(self.scheduler)
         self.director = Director(self.datastore, self.scheduler)
         # The KV-cache views the configuration's plugins read consume the engines' KV events
-        # (`indexer.subscriber.KVEventSink`); they learn of endpoints like the scheduler.
+        # (`indexer.subscriber_config.KVEventSink`); they learn of endpoints like the scheduler.
         self.datastore.add_listener(self.context.kv_caches)
         self.sinks: list[KVEventSink] = list(self.context.kv_caches)
         self.addresses = fleet.addresses()

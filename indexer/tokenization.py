@@ -45,7 +45,7 @@ probe texts; if they are not fixed, those calls are not cached either. Optionall
 mismatch turns the cache off for good.
 
 Long pieces are cut further, into chunks of about `CHUNK_CHARS` characters, when the
-pre-tokenizer is one whose word boundaries we can prove (`_CHUNKABLE_SPLIT_PATTERNS`: Llama-3's
+pre-tokenizer is one whose word boundaries we can prove (`indexer.tokenizer_analysis`: Llama-3's
 and Qwen2's regex followed by a plain ``ByteLevel``).  There, a space between two ASCII letters
 always starts a new pre-token (the alternative "one optional non-letter, then letters"), no
 match spans it, and every later step works on one pre-token at a time, so the ids of a text are
@@ -64,21 +64,31 @@ tokenizer is only read after loading, and the cache has its own lock.
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import os
 import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from indexer.chat_messages import ContentFormat, conversation_from_messages, tool_dicts
+from indexer.chat_templates import (
+    apply_chat_template_params,
+    load_chat_template,
+    template_content_format,
+    template_variables,
+)
 from indexer.errors import TokenizationError
+from indexer.tokenizer_analysis import (
+    added_token_matcher,
+    chunkable,
+    segmentation_hazard,
+    special_token_affixes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +98,6 @@ logger = logging.getLogger(__name__)
 # who sets it to something else keeps their choice.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-ContentFormat = Literal["string", "openai"]
 ContentFormatOption = Literal["auto", "string", "openai"]
 
 DEFAULT_CACHE_MAX_TOKENS: Final = 1 << 19
@@ -99,56 +108,15 @@ chats of 3,000 new 40-word user turns over 48 system prompts: 3,052 entries, 205
 CHUNK_CHARS: Final = 8192
 """Target length of the chunks a long piece is cut into (see the module docstring)."""
 
-# Split regexes (the pre-tokenizer's first step) for which a space between two letters always
-# starts a pre-token that no match crosses: every alternative that matches a letter matches only
-# letters (or one leading non-letter), and none matches a letter and a space.
-_CHUNKABLE_SPLIT_PATTERNS: Final = frozenset(
-    {
-        # Llama-3 (tiktoken cl100k)
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-        # Qwen2
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    }
-)
 # ASCII only: Python's and Oniguruma's Unicode tables may differ on what is a letter.
 _SAFE_CUT: Final = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 
 _TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _REPO_ID: Final = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-_JINJA_CHARS: Final = frozenset("{}\n")
 
-# Content parts (vllm/entrypoints/chat_utils.py, `MM_PARSER_MAP` and
-# `_parse_chat_message_content_part`): these carry text, under the given key.
-_TEXT_PART_KEYS: Final = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-_SKIP_WHEN_NONE: Final = frozenset({"text", "refusal"})  # `PART_TYPES_TO_SKIP_NONE_CONTENT`
-# Keys that mark a media part sent without "type", in the order vLLM checks them.
-_MEDIA_KEYS: Final = (
-    "image_url",
-    "image_pil",
-    "image_embeds",
-    "audio_embeds",
-    "prompt_embeds",
-    "audio_url",
-    "input_audio",
-    "video_url",
-)
-_MEDIA_PART_TYPES: Final = frozenset({*_MEDIA_KEYS, "input_image"})
 # Values vLLM's `merge_kwargs` treats as "not set" when request fields override template kwargs.
 _UNSET: Final = (None, "auto")
 _FORBIDDEN_TEMPLATE_KWARGS: Final = ("chat_template", "tokenize")
-
-_CONTEXT_FREE_PRE_TOKENIZERS: Final = frozenset(
-    {"Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
-    | {"UnicodeScripts", "CharDelimiterSplit"}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +266,7 @@ class PromptTokenizer:
             backend.no_truncation()
         if backend.padding is not None:
             backend.no_padding()
-        self._chat_template = _load_chat_template(chat_template, self.name)
+        self._chat_template = load_chat_template(chat_template, self.name)
         self._content_format: ContentFormatOption = content_format
         self._default_template_kwargs = dict(default_chat_template_kwargs or {})
 
@@ -308,15 +276,15 @@ class PromptTokenizer:
         vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.max_token_id: int = max(vocab_size - 1, max(added, default=-1))
         self._canonical_ids = list(range(self.max_token_id + 1))
-        self._boundary, self._boundary_ids = _added_token_matcher(added.items())
-        self._affixes = _special_token_affixes(backend)
-        self._hazard: str | None = _segmentation_hazard(backend, added.values())
+        self._boundary, self._boundary_ids = added_token_matcher(added.items())
+        self._affixes = special_token_affixes(backend)
+        self._hazard: str | None = segmentation_hazard(backend, added.values())
         if cache_max_tokens == 0 and self._hazard is None:
             self._hazard = "the cache is configured with cache_max_tokens=0"
         if self._hazard is not None:
             logger.info("tokenizer %s: segment cache off: %s", self.name, self._hazard)
         # 0: long pieces are tokenized whole (the pre-tokenizer's boundaries are not provable).
-        self._chunk_chars = chunk_chars if _chunkable(backend) else 0
+        self._chunk_chars = chunk_chars if chunkable(backend) else 0
 
         self._verify_every = verify_every
         self._lock = threading.Lock()
@@ -421,8 +389,8 @@ class PromptTokenizer:
             )
         if not messages:
             raise TokenizationError("messages must not be empty")
-        tool_dicts = _tool_dicts(tools)
-        template = self._resolve_chat_template(tool_dicts)
+        tool_list = tool_dicts(tools)
+        template = self._resolve_chat_template(tool_list)
         content_format: ContentFormat = (
             template_content_format(template)
             if self._content_format == "auto"
@@ -442,7 +410,7 @@ class PromptTokenizer:
         try:
             rendered = self._hf.apply_chat_template(
                 conversation,
-                tools=tool_dicts if tool_dicts is not None else kwarg_tools,
+                tools=tool_list if tool_list is not None else kwarg_tools,
                 chat_template=template,
                 tokenize=False,
                 **kwargs,
@@ -599,7 +567,7 @@ class PromptTokenizer:
         variables = template_variables(template)
         if variables is None:
             return merged
-        accepted = (variables | _apply_chat_template_params()) - set(_FORBIDDEN_TEMPLATE_KWARGS)
+        accepted = (variables | apply_chat_template_params()) - set(_FORBIDDEN_TEMPLATE_KWARGS)
         return {k: v for k, v in merged.items() if k in accepted}
 
     # ---------------------------------------------------------------- the segment cache
@@ -817,426 +785,3 @@ class TokenizerRegistry:
     def stats(self) -> dict[str, TokenizationStats]:
         """Counters of the tokenizers loaded so far."""
         return {name: tokenizer.stats() for name, tokenizer in list(self._loaded.items())}
-
-
-# -------------------------------------------------------------------- chat messages
-
-
-def conversation_from_messages(
-    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat
-) -> list[dict[str, Any]]:
-    """The messages as vLLM hands them to the chat template (`parse_chat_messages`).
-
-    Each message keeps ``role`` and ``content`` (text parts joined with ``"\\n"`` for "string"
-    templates, ``[{"type": "text", ...}]`` parts for "openai" ones), ``tool_calls`` and
-    ``reasoning`` on assistant messages, ``tool_call_id`` on tool messages, ``name`` and ``task``
-    when they are strings, ``tools`` on developer messages; nothing else. Image, audio and video
-    parts raise `TokenizationError`: the precise scorer does not support multimodal prompts.
-    """
-    conversation: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise TokenizationError(
-                f"messages[{index}] must be an object, not {type(message).__name__}"
-            )
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise TokenizationError(f"messages[{index}].role must be a string, not {role!r}")
-        content = message.get("content")
-        parts: Sequence[Any]
-        if content is None:
-            parts = []
-        elif isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, Sequence) and not isinstance(content, bytes):
-            parts = content
-        else:
-            raise TokenizationError(
-                f"messages[{index}].content must be a string, a list of parts or null, "
-                f"not {type(content).__name__}"
-            )
-        converted: dict[str, Any] = {
-            "role": role,
-            "content": _message_content(index, parts, content_format),
-        }
-        if role == "assistant":
-            tool_calls = message.get("tool_calls")
-            if isinstance(tool_calls, (str, bytes, Mapping)) or not (
-                tool_calls is None or isinstance(tool_calls, Iterable)
-            ):
-                raise TokenizationError(f"messages[{index}].tool_calls must be a list")
-            if tool_calls is not None:
-                converted["tool_calls"] = [_tool_call(call) for call in tool_calls]
-            # ChatCompletionRequest renames the deprecated `reasoning_content` to `reasoning`.
-            reasoning = message.get("reasoning")
-            if reasoning is None:
-                reasoning = message.get("reasoning_content")
-            if reasoning is not None:
-                converted["reasoning"] = reasoning
-                converted["reasoning_content"] = reasoning
-        elif role == "tool":
-            if "tool_call_id" in message:
-                converted["tool_call_id"] = message["tool_call_id"]
-            converted["content"] = _tool_message_content(converted["content"])
-        for key in ("name", "task"):
-            if isinstance(message.get(key), str):
-                converted[key] = message[key]
-        if role == "developer":
-            converted["tools"] = message.get("tools")
-        conversation.append(converted)
-    _parse_tool_call_arguments(conversation)
-    return conversation
-
-
-def _message_content(
-    index: int, parts: Sequence[Any], content_format: ContentFormat
-) -> str | list[dict[str, Any]]:
-    as_dicts = content_format == "openai"
-    texts: list[str] = []
-    dicts: list[dict[str, Any]] = []
-    for number, part in enumerate(parts):
-        where = f"messages[{index}].content[{number}]"
-        if isinstance(part, str):
-            if part:
-                texts.append(part)
-            dicts.append({"type": "text", "text": part})
-            continue
-        if not isinstance(part, Mapping):
-            raise TokenizationError(
-                f"{where} must be a string or an object, not {type(part).__name__}"
-            )
-        kind = part.get("type")
-        if kind is None:
-            media = next((key for key in _MEDIA_KEYS if key in part), None)
-            if media is not None:
-                raise _multimodal_error(where, media)
-            raise TokenizationError(f"{where} has no 'type' field")
-        if kind in _TEXT_PART_KEYS:
-            text = part.get(_TEXT_PART_KEYS[kind])
-            if text is None and (kind in _SKIP_WHEN_NONE or not as_dicts):
-                continue  # vLLM skips text parts without text
-            if text is not None and not isinstance(text, str):
-                raise TokenizationError(f"{where}.{_TEXT_PART_KEYS[kind]} must be a string")
-            # vLLM keeps only truthy parse results before joining, so "" parts vanish from
-            # string content (but stay as dicts in "openai" content).
-            if text:
-                texts.append(text)
-            dicts.append({"type": "text", "text": text})
-        elif kind == "tool_reference":
-            name = part.get("name")
-            if name:
-                texts.append(str(name))
-            dicts.append({"type": "tool_reference", "name": name})
-        elif kind in _MEDIA_PART_TYPES:
-            raise _multimodal_error(where, str(kind))
-        else:
-            raise TokenizationError(
-                f"{where} has unsupported type {kind!r}; text parts are "
-                f"{', '.join(sorted(_TEXT_PART_KEYS))}"
-            )
-    if as_dicts:
-        return dicts
-    return "\n".join(texts)
-
-
-def _multimodal_error(where: str, kind: str) -> TokenizationError:
-    return TokenizationError(
-        f"{where} is a {kind!r} part: multimodal content is not supported by the precise "
-        "prefix-cache scorer (its tokens depend on the model's multimodal processor); send "
-        "text-only messages, or route multimodal models with a load-based profile"
-    )
-
-
-def _tool_message_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    # Tool results sent as text parts become one string, even for "openai" templates, unless a
-    # part is not text (vLLM `_parse_chat_message_content`, role "tool").
-    if not isinstance(content, list):
-        return content
-    if any(part.get("type") != "text" for part in content):
-        return content
-    texts = [part.get("text") or "" for part in content]
-    return "\n".join(texts) if texts else ""
-
-
-def _tool_call(call: Any) -> Any:
-    # The request model validates tool calls as OpenAI TypedDicts, which keeps only their
-    # declared keys, in declaration order: {id, function: {arguments, name}, type}.
-    if not isinstance(call, Mapping):
-        return call
-    function = call.get("function")
-    if not isinstance(function, Mapping):
-        return dict(call)
-    result: dict[str, Any] = {}
-    if "id" in call:
-        result["id"] = call["id"]
-    result["function"] = {key: function[key] for key in ("arguments", "name") if key in function}
-    if "type" in call:
-        result["type"] = call["type"]
-    return result
-
-
-def _parse_tool_call_arguments(conversation: list[dict[str, Any]]) -> None:
-    # vLLM `_postprocess_messages`: templates get tool-call arguments as parsed JSON; an empty
-    # tool_calls list is dropped so the template takes its plain assistant path.
-    for message in conversation:
-        if message["role"] != "assistant" or "tool_calls" not in message:
-            continue
-        tool_calls = message["tool_calls"]
-        if not tool_calls:
-            del message["tool_calls"]
-            continue
-        for call in tool_calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                continue
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    function["arguments"] = json.loads(arguments)
-                except json.JSONDecodeError:
-                    function["arguments"] = {}
-            elif not isinstance(arguments, (dict, list)):
-                function["arguments"] = {}
-
-
-def _tool_dicts(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The tools as vLLM passes them to the template: ``ChatCompletionToolsParam.model_dump()``.
-
-    That is ``{"type", "function": {"name", "description", "parameters", <other function keys>}}``
-    with ``description``/``parameters`` present (as None) even when the request left them out.
-    """
-    if tools is None:
-        return None
-    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
-        raise TokenizationError(f"tools must be a list of objects, not {type(tools).__name__}")
-    if not tools:
-        raise TokenizationError(
-            "tools must not be an empty array (vLLM rejects it); omit the field instead"
-        )
-    dumped: list[dict[str, Any]] = []
-    for index, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise TokenizationError(f"tools[{index}].function.name must be a string")
-        described = {
-            "name": function["name"],
-            "description": function.get("description"),
-            "parameters": function.get("parameters"),
-        }
-        described |= {k: v for k, v in function.items() if k not in described}
-        dumped.append({"type": tool.get("type", "function"), "function": described})
-    return dumped
-
-
-# -------------------------------------------------------------------- chat templates
-
-
-def _load_chat_template(value: str | None, model: str) -> str | None:
-    # vLLM `_load_chat_template`: a readable file wins, otherwise the value is the template
-    # itself, unless it has no Jinja characters at all and so must have meant a path.
-    if value is None:
-        return None
-    try:
-        path = Path(value).expanduser()
-        if path.is_file():
-            return path.read_text()
-    except OSError:
-        pass
-    if not _JINJA_CHARS.intersection(value):
-        raise TokenizationError(
-            f"model {model!r}: chat_template {value!r} looks like a file path, but no such file "
-            "exists; give the path of a Jinja template file or the template text itself"
-        )
-    return value
-
-
-@lru_cache(maxsize=64)
-def _parse_template(template: str) -> Any | None:
-    # The same Jinja environment (and extensions, e.g. `{% generation %}`) transformers renders with.
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        return _compile_jinja_template(template).environment.parse(template)
-    except Exception:
-        logger.warning("cannot parse a chat template to inspect it", exc_info=True)
-        return None
-
-
-@lru_cache(maxsize=64)
-def template_variables(template: str) -> frozenset[str] | None:
-    """The variables a template reads from its context (None when it cannot be parsed)."""
-    ast = _parse_template(template)
-    if ast is None:
-        return None
-    import jinja2.meta
-
-    return frozenset(jinja2.meta.find_undeclared_variables(ast))
-
-
-@lru_cache(maxsize=1)
-def _apply_chat_template_params() -> frozenset[str]:
-    from transformers import PreTrainedTokenizerBase
-
-    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
-    variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    return frozenset(p.name for p in parameters if p.kind not in variadic and p.name != "self")
-
-
-@lru_cache(maxsize=64)
-def template_content_format(template: str) -> ContentFormat:
-    """ "openai" when the template loops over a message's content, else "string".
-
-    The same rule as vLLM's ``_detect_content_format`` (``vllm/renderers/hf.py``): find the names
-    bound to ``messages`` (directly, by ``{% set %}``, through filters, tests or slices), the loop
-    variables iterating over them, and then any loop over ``<message>['content']`` or
-    ``<message>.content``. A template that cannot be parsed counts as "string", vLLM's default.
-    """
-    import jinja2.nodes as nodes
-
-    ast = _parse_template(template)
-    if ast is None:
-        return "string"
-
-    def reads(node: Any, name: str, key: str | None = None) -> bool:
-        if isinstance(node, nodes.Filter):
-            return node.node is not None and reads(node.node, name, key)
-        if isinstance(node, nodes.Test):
-            return reads(node.node, name, key)
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-            return reads(node.node, name, key)
-        if key is None:
-            return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
-        if isinstance(node, nodes.Getitem):
-            return (
-                reads(node.node, name)
-                and isinstance(node.arg, nodes.Const)
-                and node.arg.value == key
-            )
-        if isinstance(node, nodes.Getattr):
-            return reads(node.node, name) and node.attr == key
-        return False
-
-    message_lists = {"messages"}
-    pending = ["messages"]
-    while pending:
-        source = pending.pop()
-        for assign in ast.find_all(nodes.Assign):
-            target = assign.target
-            if (
-                isinstance(target, nodes.Name)
-                and target.name not in message_lists
-                and reads(assign.node, source)
-            ):
-                message_lists.add(target.name)
-                pending.append(target.name)
-    loops = list(ast.find_all(nodes.For))
-    message_names = {
-        loop.target.name
-        for loop in loops
-        if isinstance(loop.target, nodes.Name)
-        and any(reads(loop.iter, name) for name in message_lists)
-    }
-    for loop in loops:
-        if any(reads(loop.iter, name, "content") for name in message_names):
-            return "openai"
-    return "string"
-
-
-# -------------------------------------------------------------------- tokenizer analysis
-
-
-def _added_token_matcher(
-    added: Iterable[tuple[int, Any]],
-) -> tuple[re.Pattern[str] | None, dict[str, int]]:
-    """A regex that finds added tokens the way the Rust tokenizer's first pass does.
-
-    Only tokens matched on the raw text (``normalized=False``) cut it before normalisation; the
-    others are found later inside pieces and need no special care here.
-    """
-    ids = {
-        token.content: token_id
-        for token_id, token in added
-        if not token.normalized and token.content
-    }
-    if not ids:
-        return None, ids
-    alternatives = sorted(ids, key=lambda content: (-len(content), content))
-    return re.compile("|".join(map(re.escape, alternatives))), ids
-
-
-def _segmentation_hazard(backend: Any, added: Iterable[Any]) -> str | None:
-    """Why cutting text at added tokens might change the ids, or None when it cannot."""
-    if backend.normalizer is not None:
-        return f"the tokenizer has a normalizer ({type(backend.normalizer).__name__})"
-    if getattr(backend, "encode_special_tokens", False):
-        return "special tokens are tokenized as text (encode_special_tokens / split_special_tokens)"
-    for token in added:
-        if token.lstrip or token.rstrip or token.single_word:
-            return (
-                f"added token {token.content!r} has lstrip/rstrip/single_word, so its match "
-                "depends on the text around it"
-            )
-    if getattr(backend.model, "dropout", None):
-        return "the BPE model uses dropout, so tokenization is random"
-    if backend.pre_tokenizer is not None:
-        return _pre_tokenizer_hazard(json.loads(backend.pre_tokenizer.__getstate__()))
-    return None
-
-
-def _chunkable(backend: Any) -> bool:
-    """True when the pre-tokenizer is a `_CHUNKABLE_SPLIT_PATTERNS` split followed by a plain
-    byte-level step, so cutting a piece before a space between two letters changes no id."""
-    if backend.pre_tokenizer is None:
-        return False
-    spec = json.loads(backend.pre_tokenizer.__getstate__())
-    steps = spec.get("pretokenizers") if spec.get("type") == "Sequence" else None
-    if not isinstance(steps, list) or len(steps) != 2:
-        return False
-    split, byte_level = steps
-    pattern = split.get("pattern") if isinstance(split, dict) else None
-    return (
-        split.get("type") == "Split"
-        and split.get("behavior") == "Isolated"
-        and not split.get("invert")
-        and isinstance(pattern, dict)
-        and pattern.get("Regex") in _CHUNKABLE_SPLIT_PATTERNS
-        and byte_level.get("type") == "ByteLevel"
-        and not byte_level.get("add_prefix_space")
-        and not byte_level.get("use_regex")
-    )
-
-
-def _pre_tokenizer_hazard(spec: Mapping[str, Any]) -> str | None:
-    kind = spec.get("type")
-    if kind == "Sequence":
-        for step in spec.get("pretokenizers", []):
-            if (reason := _pre_tokenizer_hazard(step)) is not None:
-                return reason
-        return None
-    if kind in _CONTEXT_FREE_PRE_TOKENIZERS:
-        return None
-    if kind == "ByteLevel" and not spec.get("add_prefix_space"):
-        return None
-    if kind == "Metaspace" and spec.get("prepend_scheme") == "never":
-        return None
-    return f"the pre-tokenizer {kind!r} (as configured) may treat a text's first piece differently"
-
-
-def _special_token_affixes(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The ids ``add_special_tokens=True`` puts before and after any text, if they are fixed."""
-    probes = ("a", "", "Hello world, 123!", " \n<|x|>")
-    with_special = backend.encode(probes[0], add_special_tokens=True).ids
-    plain = backend.encode(probes[0], add_special_tokens=False).ids
-    affixes = None
-    for start in range(len(with_special) - len(plain) + 1):
-        if with_special[start : start + len(plain)] == plain:
-            affixes = (tuple(with_special[:start]), tuple(with_special[start + len(plain) :]))
-            break
-    if affixes is None:
-        return None
-    prefix, suffix = affixes
-    for probe in probes:
-        plain = backend.encode(probe, add_special_tokens=False).ids
-        if backend.encode(probe, add_special_tokens=True).ids != [*prefix, *plain, *suffix]:
-            return None
-    return affixes

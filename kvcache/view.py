@@ -35,12 +35,8 @@ from indexer.errors import TokenizationError
 from indexer.events import BlockRemoved, BlockStored, KVEventBatch
 from indexer.hashing import HashAlgo, HashConfig, PrefixHasher, event_keys
 from indexer.index import KVBlockIndex
-from indexer.subscriber import (
-    CentralSubscriber,
-    SubscriberConfig,
-    SubscriberPool,
-    SubscriberStats,
-)
+from indexer.subscriber import CentralSubscriber, SubscriberPool
+from indexer.subscriber_config import SubscriberConfig, SubscriberStats
 from indexer.tokenization import PromptTokenizer, TokenizerRegistry
 from kvcache.predictions import PredictedBlocks
 from kvcache.settings import KVCacheSettings
@@ -205,7 +201,7 @@ class KVCacheView:
         if self.silent_publishers is not None:
             self.silent_publishers.forget(endpoint.address)
 
-    # -- the event path (`indexer.subscriber.KVEventSink`) ------------------------------------
+    # -- the event path (`indexer.subscriber_config.KVEventSink`) -----------------------------
 
     def apply(self, endpoint: str, batch: KVEventBatch) -> None:
         self._saw_alive(endpoint)

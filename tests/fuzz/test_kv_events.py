@@ -13,6 +13,7 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer.endpoint_feed import _EndpointFeed
 from indexer.errors import EventDecodeError
 from indexer.events import (
     BlockRemoved,
@@ -23,7 +24,7 @@ from indexer.events import (
 )
 from indexer.hashing import HashConfig
 from indexer.index import KVBlockIndex
-from indexer.subscriber import SubscriberConfig, _EndpointFeed
+from indexer.subscriber_config import SubscriberConfig
 from tests.fuzz.conftest import EXAMPLES
 from tests.support.kv_events import assert_decodes_or_rejects
 

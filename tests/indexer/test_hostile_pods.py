@@ -7,7 +7,8 @@ import random
 
 from indexer.events import BlockStored, KVEventBatch, encode_batch
 from indexer.index import KVBlockIndex
-from indexer.subscriber import SubscriberConfig, SubscriberPool
+from indexer.subscriber import SubscriberPool
+from indexer.subscriber_config import SubscriberConfig
 from tests.indexer import test_subscriber as _subscriber_tests
 from tests.indexer.test_subscriber import (
     PodFactory,

@@ -20,16 +20,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from indexer.event_topic import EventTopic, parse_topic
 from indexer.events import BlockStored, KVEventBatch, encode_batch
-from indexer.subscriber import (
-    CentralSubscriber,
-    EventTopic,
-    FeedStats,
-    SubscriberConfig,
-    SubscriberConfigError,
-    SubscriberPool,
-    parse_topic,
-)
+from indexer.subscriber import CentralSubscriber, SubscriberPool
+from indexer.subscriber_config import FeedStats, SubscriberConfig, SubscriberConfigError
 
 Layout = Literal["0.26", "0.25"]
 _END_SEQ = b"\xff" * 8

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from indexer.subscriber import FeedStats, SubscriberConfig, SubscriberPool
+from indexer.subscriber import SubscriberPool
+from indexer.subscriber_config import FeedStats, SubscriberConfig
 from tests.indexer import test_subscriber as _subscriber_tests
 from tests.indexer.test_subscriber import (
     FakeVLLMPod,

@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import tokenization
+from indexer.chat_messages import conversation_from_messages
+from indexer.chat_templates import template_content_format
 from indexer.errors import TokenizationError
 from indexer.tokenization import (
     PromptTokenizer,
     TokenizerRegistry,
     TokenizerSource,
-    conversation_from_messages,
     load_hf_tokenizer,
-    template_content_format,
 )
 from indexer.tokenizer_assets import LLAMA3_CHAT_TEMPLATE, build_llama3_tokenizer_dir
 

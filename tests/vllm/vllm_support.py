@@ -260,7 +260,8 @@ class IndexFeed:
         self.pool = self.loop.run(self._open(list(servers)))
 
     async def _open(self, servers: list[ServerSpec]) -> Any:
-        from indexer.subscriber import SubscriberConfig, SubscriberPool
+        from indexer.subscriber import SubscriberPool
+        from indexer.subscriber_config import SubscriberConfig
 
         # A short reconnect backoff: a restarted server's first batches reach us promptly.
         pool = SubscriberPool(self.index, SubscriberConfig(reconnect_ivl_max_ms=500))
