@@ -44,14 +44,14 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, islice, pairwise
 from types import MappingProxyType
 from typing import Final
 
-from indexer.errors import HashConfigError, IndexerError
+from indexer.errors import IndexerError
 from indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -60,7 +60,8 @@ from indexer.events import (
     KVEventBatch,
     block_key,
 )
-from indexer.hashing import HASH_ALGOS, HashConfig, PrefixHasher, event_key
+from indexer.hashing import HashConfig
+from indexer.key_check import EndpointKeyState, KeyCheck
 
 logger = logging.getLogger("indexer.index")
 
@@ -88,9 +89,6 @@ _MAX_INTERNED_MASKS: Final = 1 << 16  # distinct endpoint sets seen; cleared (no
 # Lookups and re-stores remembered for the next eviction (a tuple of keys each): about the last
 # second of traffic on a busy EPP, at most ~20 MB.
 _READ_LOG_LENGTH: Final = 512
-_REKEY_HASHER_BLOCKS: Final = 65_536  # PrefixHasher cache for re-keying mismatched pods
-# PYTHONHASHSEED values seen in deployments (docs/vllm-interop.md §7): unset, llm-d's "0" and "42".
-_DIAGNOSIS_SEEDS: Final = (None, "0", "42")
 
 
 class IndexConfigError(IndexerError, ValueError):
@@ -127,36 +125,13 @@ class EndpointStats:
     removed_total: int
 
 
-@dataclass(slots=True, frozen=True)
-class _Link:
-    """Where an engine block of a mismatched pod sits in the EPP's own chain: the EPP keys of the
-    blocks it completed, the EPP digest to chain its children from (None: the chain start), and
-    the tokens after that digest that do not fill an EPP block yet (non-empty only when the pod's
-    block size is not a multiple of the EPP's)."""
-
-    our_keys: tuple[int, ...]
-    digest: bytes | None
-    tail: tuple[int, ...]
-
-
 @dataclass(slots=True, eq=False)
 class _Endpoint:
     name: str
     slot: int
     bit: int
+    check: EndpointKeyState
     keys: dict[int, None] = field(default_factory=dict)  # a set, but untracked by the GC
-    # Self-check state.  `rekey` is the mismatch mode: events are keyed by our own hashes of
-    # their tokens and `links` maps the pod's engine keys to ours (for BlockRemoved and parents).
-    rekey: bool = False
-    logged_mismatch: bool = False
-    links: dict[int, _Link] = field(default_factory=dict)
-    mismatch_events: int = 0
-    verified_blocks: int = 0
-    verified_since_restart: int = 0  # for self_check_blocks
-    unverified_blocks: int = 0
-    unchecked_blocks: int = 0
-    rekeyed_blocks: int = 0
-    skipped_events: int = 0
     stored_total: int = 0
     removed_total: int = 0
 
@@ -194,38 +169,11 @@ class KVBlockIndex:
       default, about 1.2 GB, holds 400 pods of 25k blocks (400k tokens of KV at block size 16,
       the H100 example of ``docs/design.md``, "Targets"); with removals flowing, the cap is a
       guard, not the policy.
-    * ``hash_config``: the EPP's own block size, algorithm and seed.  When given, every
-      `BlockStored` is checked (below).  None trusts the pods' keys.
+    * ``hash_config``, ``self_check_blocks``, ``verify_cache_blocks``: the self-check of the
+      pods' keys (`indexer.key_check.KeyCheck`, which says under which keys each event's blocks
+      are stored: the pod's own, or the EPP's hashes of its tokens when the pod hashes
+      differently).  None trusts the pods' keys.
     * ``tier_weights``: weights per medium for `prefix_match`; missing tiers keep the defaults.
-    * ``self_check_blocks``: stop verifying an endpoint once this many of its blocks verified
-      with no mismatch (its later events are trusted and counted as unchecked).  A pod's hash
-      configuration can only change across a restart, which `clear_endpoint` resets.  None
-      verifies every event; the benchmark shows what each choice costs.
-    * ``verify_cache_blocks``: how many recently verified block digests are kept, shared across
-      endpoints, to verify events that continue an earlier block.
-
-    Self-check, per `BlockStored`:
-
-    * Verified: the event's blocks have no extra keys (``extra_keys`` None or all None,
-      ``lora_name`` None, no lookahead tokens), its tokens fill exactly its blocks, and the
-      parent's digest is known (no parent: the chain starts at NONE_HASH; otherwise a block this
-      index computed recently).  Its ``block_size`` must equal ours and every key must equal
-      ``event_key`` of our digest.  A key equal to a digest we computed earlier is accepted
-      without rehashing: only a hasher that agrees with ours can produce it.
-    * Unverified: the parent's digest is unknown (the index started after the parent was stored,
-      or the parent fell out of the cache).  The pod's keys are trusted.
-    * Unchecked: blocks with extra keys (LoRA, cache_salt, multimodal, prompt embeds) or no
-      tokens (offloading connectors).  Events publish LoRA names but not the adapter path vLLM
-      hashes, so these cannot be recomputed; the pod's keys are trusted as they are.
-    * Mismatch: the block size or a key differs.  Counted, logged once per endpoint (logger
-      ``indexer.index``), and the endpoint switches to re-keying: its blocks are indexed under
-      our hashes of the event tokens (chunked at our block size, chained from our digest of the
-      parent), with a per-endpoint map from its keys to ours so `BlockRemoved` removes the right
-      entries.  A pod block size that is a multiple of ours re-keys exactly; otherwise the tokens
-      that do not fill one of our blocks are carried into the child event's first block, which is
-      exact too.  An event whose parent cannot be mapped is skipped and counted; extra-key events
-      keep the pod's keys.  Re-keying costs about three times the memory per entry (a link with
-      the EPP digest per pod block: ~380 bytes instead of ~128, measured with tracemalloc).
 
     Not thread-safe.
     """
@@ -283,11 +231,11 @@ class KVBlockIndex:
         self._free_slots: list[int] = []
 
         self.hash_config = hash_config
-        self._self_check_blocks = self_check_blocks
-        self._none_hash = hash_config.none_hash if hash_config is not None else b""
-        self._digests: OrderedDict[int, bytes] = OrderedDict()
-        self._digests_capacity = verify_cache_blocks
-        self._rekey_hasher: PrefixHasher | None = None
+        self.key_check = KeyCheck(
+            hash_config,
+            self_check_blocks=self_check_blocks,
+            verify_cache_blocks=verify_cache_blocks,
+        )
 
         # Counters for metrics (read them, do not write them).
         self.entries = 0
@@ -302,12 +250,32 @@ class KVBlockIndex:
         """Entries evicted because ``max_entries`` was reached."""
         self.share_evictions_total = 0
         """Of which were an over-share endpoint's own entries (see the module docstring)."""
-        self.mismatch_events_total = 0
-        self.verified_blocks_total = 0
-        self.unverified_blocks_total = 0
-        self.unchecked_blocks_total = 0
-        self.rekeyed_blocks_total = 0
-        self.skipped_events_total = 0
+
+    # Self-check totals (`indexer.key_check.KeyCheck`), for metrics and tests.
+
+    @property
+    def mismatch_events_total(self) -> int:
+        return self.key_check.mismatch_events_total
+
+    @property
+    def verified_blocks_total(self) -> int:
+        return self.key_check.verified_blocks_total
+
+    @property
+    def unverified_blocks_total(self) -> int:
+        return self.key_check.unverified_blocks_total
+
+    @property
+    def unchecked_blocks_total(self) -> int:
+        return self.key_check.unchecked_blocks_total
+
+    @property
+    def rekeyed_blocks_total(self) -> int:
+        return self.key_check.rekeyed_blocks_total
+
+    @property
+    def skipped_events_total(self) -> int:
+        return self.key_check.skipped_events_total
 
     # -----------------------------------------------------------------------------------------
     # Reading
@@ -325,7 +293,9 @@ class KVBlockIndex:
     def mismatches(self) -> dict[str, int]:
         """Hash-mismatch events per endpoint, for endpoints that had any."""
         return {
-            name: ep.mismatch_events for name, ep in self._endpoints.items() if ep.mismatch_events
+            name: ep.check.mismatch_events
+            for name, ep in self._endpoints.items()
+            if ep.check.mismatch_events
         }
 
     def endpoint_blocks(self, endpoint: str) -> int:
@@ -335,17 +305,18 @@ class KVBlockIndex:
 
     def endpoint_stats(self, endpoint: str) -> EndpointStats:
         """Counts for one endpoint; an unknown endpoint reads as empty."""
-        ep = self._endpoints.get(endpoint) or _Endpoint(endpoint, -1, 0)
+        ep = self._endpoints.get(endpoint) or _Endpoint(endpoint, -1, 0, EndpointKeyState(endpoint))
+        check = ep.check
         return EndpointStats(
             endpoint=endpoint,
             blocks=len(ep.keys),
-            hash_mismatch=ep.rekey,
-            mismatch_events=ep.mismatch_events,
-            verified_blocks=ep.verified_blocks,
-            unverified_blocks=ep.unverified_blocks,
-            unchecked_blocks=ep.unchecked_blocks,
-            rekeyed_blocks=ep.rekeyed_blocks,
-            skipped_events=ep.skipped_events,
+            hash_mismatch=check.rekey,
+            mismatch_events=check.mismatch_events,
+            verified_blocks=check.verified_blocks,
+            unverified_blocks=check.unverified_blocks,
+            unchecked_blocks=check.unchecked_blocks,
+            rekeyed_blocks=check.rekeyed_blocks,
+            skipped_events=check.skipped_events,
             stored_total=ep.stored_total,
             removed_total=ep.removed_total,
         )
@@ -500,213 +471,28 @@ class KVBlockIndex:
             elif type(event) is AllBlocksCleared:
                 # A reset of the pod's prefix cache, not a restart: a mismatched pod stays so.
                 self._clear_blocks(ep)
-                ep.links.clear()
+                ep.check.links.clear()
         if len(self._masks) > _MAX_INTERNED_MASKS:
             # Only sharing is lost: masks already stored stay valid.
             self._masks.clear()
 
     def _apply_stored(self, ep: _Endpoint, event: BlockStored) -> None:
         hashes = event.block_hashes
-        count = len(hashes)
-        if not count:
+        if not hashes:
             return
         keys = [h & _UINT64 if type(h) is int else block_key(h) for h in hashes]
         medium = event.medium
         tier = _GPU if medium is None else _TIER_OF_MEDIUM.get(medium, _GPU)
-        config = self.hash_config
-        if config is None:
-            self._store(ep, keys, tier)
-            return
-        plain = (
-            event.lora_name is None
-            and event.lookahead_token_ids is None
-            and (event.extra_keys is None or all(k is None for k in event.extra_keys))
-        )
-        checkable = (
-            plain and event.block_size > 0 and len(event.token_ids) == count * event.block_size
-        )
-        if not ep.rekey:
-            limit = self._self_check_blocks
-            if not checkable or (limit is not None and ep.verified_since_restart >= limit):
-                ep.unchecked_blocks += count
-                self.unchecked_blocks_total += count
-                self._store(ep, keys, tier)
-                return
-            problem = self._verify(ep, event, keys, config)
-            if problem is None:
-                self._store(ep, keys, tier)
-                return
-            self._enter_rekey(ep, event, keys, config, problem)
-        if not plain:
-            ep.unchecked_blocks += count
-            self.unchecked_blocks_total += count
-            self._store(ep, keys, tier)
-        elif checkable:
-            self._rekey(ep, event, keys, tier, config)
-        else:
-            # No tokens (e.g. an offloading connector's location-only event): map the pod's
-            # keys through the blocks already re-keyed.
-            links = ep.links
-            if all(k in links for k in keys):
-                ours = [k for engine in keys for k in links[engine].our_keys]
-                ep.rekeyed_blocks += count
-                self.rekeyed_blocks_total += count
-                self._store(ep, ours, tier)
-            else:
-                ep.skipped_events += 1
-                self.skipped_events_total += 1
+        stored = self.key_check.stored_keys(ep.check, event, keys, self._fair_share)
+        if stored is not None:
+            self._store(ep, stored, tier)
 
     def _apply_removed(self, ep: _Endpoint, event: BlockRemoved) -> None:
         keys = [h & _UINT64 if type(h) is int else block_key(h) for h in event.block_hashes]
         medium = event.medium
         tier = _GPU if medium is None else _TIER_OF_MEDIUM.get(medium, _GPU)
-        if ep.rekey:
-            links = ep.links
-            mapped: list[int] = []
-            for engine in keys:
-                link = links.get(engine)
-                if link is None:
-                    # Stored before the mismatch was seen, or with extra keys: under its own key.
-                    mapped.append(engine)
-                else:
-                    mapped.extend(link.our_keys)
-            self._remove(ep, mapped, tier)
-            held = ep.keys
-            for engine in keys:
-                link = links.get(engine)
-                # Keep the link while another tier still holds its blocks (a GPU eviction of a
-                # block offloaded to CPU), so the later CPU removal still maps.
-                if link is not None and not any(k in held for k in link.our_keys):
-                    del links[engine]
-        else:
-            self._remove(ep, keys, tier)
-
-    # -----------------------------------------------------------------------------------------
-    # Self-check
-
-    def _verify(
-        self, ep: _Endpoint, event: BlockStored, keys: list[int], config: HashConfig
-    ) -> str | None:
-        """None when the event agrees with our hashing (or cannot be verified: then counted as
-        unverified), else what differs."""
-        size = config.block_size
-        if event.block_size != size:
-            return f"its events have block size {event.block_size}"
-        count = len(keys)
-        digests = self._digests
-        parent_hash = event.parent_block_hash
-        if parent_hash is None:
-            parent: bytes | None = self._none_hash
-        else:
-            parent = digests.get(block_key(parent_hash))
-        if parent is None:
-            ep.unverified_blocks += count
-            self.unverified_blocks_total += count
-            return None
-        tokens = event.token_ids
-        computed: list[tuple[int, bytes]] = []
-        for i, key in enumerate(keys):
-            digest = digests.get(key)
-            if digest is None:
-                digest = config.hash_block(parent, tokens[i * size : (i + 1) * size], None)
-                ours = event_key(digest)
-                if ours != key:
-                    return (
-                        f"block {i} of a BlockStored has key {key:#018x} where this EPP "
-                        f"computes {ours:#018x}"
-                    )
-                computed.append((key, digest))
-            else:
-                digests.move_to_end(key)
-            parent = digest
-        if self._digests_capacity:
-            for key, digest in computed:
-                digests[key] = digest
-            while len(digests) > self._digests_capacity:
-                digests.popitem(last=False)
-        ep.verified_blocks += count
-        ep.verified_since_restart += count
-        self.verified_blocks_total += count
-        return None
-
-    def _enter_rekey(
-        self,
-        ep: _Endpoint,
-        event: BlockStored,
-        keys: list[int],
-        config: HashConfig,
-        problem: str,
-    ) -> None:
-        ep.rekey = True
-        ep.mismatch_events += 1
-        self.mismatch_events_total += 1
-        if ep.logged_mismatch:
-            return
-        ep.logged_mismatch = True
-        guess, fixable = _diagnose(event, keys, config)
-        logger.warning(
-            "endpoint %s hashes KV blocks differently from this EPP: %s (configured: algo %s, "
-            "PYTHONHASHSEED %s, block size %d). %s Its blocks are indexed under the EPP's own "
-            "hashes of their tokens from now on, so routing stays correct.%s",
-            ep.name,
-            problem,
-            config.algo,
-            "unset" if config.seed is None else repr(config.seed),
-            config.block_size,
-            guess,
-            " Align the pod's --prefix-caching-hash-algo, PYTHONHASHSEED and --block-size with "
-            "the EPP's hash configuration to save that work."
-            if fixable
-            else "",
-        )
-
-    def _rekey(
-        self,
-        ep: _Endpoint,
-        event: BlockStored,
-        keys: list[int],
-        tier: int,
-        config: HashConfig,
-    ) -> None:
-        links = ep.links
-        parent_hash = event.parent_block_hash
-        if parent_hash is None:
-            chain: bytes | None = None
-            tail: tuple[int, ...] = ()
-        else:
-            link = links.get(block_key(parent_hash))
-            if link is None:
-                ep.skipped_events += 1
-                self.skipped_events_total += 1
-                return
-            chain, tail = link.digest, link.tail
-        hasher = self._rekey_hasher
-        if hasher is None:
-            hasher = self._rekey_hasher = PrefixHasher(config, cache_blocks=_REKEY_HASHER_BLOCKS)
-        tokens = tail + event.token_ids if tail else event.token_ids
-        digests = hasher.digests(tokens, parent=chain)
-        ours = [event_key(d) for d in digests]
-        size = config.block_size
-        pod_size = event.block_size
-        done = 0
-        for i, engine in enumerate(keys):
-            end = len(tail) + (i + 1) * pod_size  # tokens up to the end of engine block i
-            complete = end // size
-            links[engine] = _Link(
-                tuple(ours[done:complete]),
-                digests[complete - 1] if complete else chain,
-                tokens[complete * size : end],
-            )
-            done = complete
-        count = len(keys)
-        ep.rekeyed_blocks += count
-        self.rekeyed_blocks_total += count
-        self._store(ep, ours, tier)
-        # Links of blocks the pod never removes (lost events) must not grow without bound.
-        share = self._fair_share()
-        if len(links) > share:
-            for engine in list(islice(links, len(links) - share)):
-                del links[engine]
+        self._remove(ep, self.key_check.removed_keys(ep.check, keys), tier)
+        self.key_check.forget_removed(ep.check, keys, ep.keys)
 
     # -----------------------------------------------------------------------------------------
     # Writing: direct
@@ -733,9 +519,7 @@ class KVBlockIndex:
         if ep is None:
             return 0
         dropped = self._clear_blocks(ep)
-        ep.links = {}
-        ep.rekey = False
-        ep.verified_since_restart = 0
+        ep.check.restarted()
         return dropped
 
     def remove_endpoint(self, endpoint: str) -> int:
@@ -766,7 +550,7 @@ class KVBlockIndex:
                 slot = len(self._by_slot)
                 self._by_slot.append(None)
                 self._slot_names.append("")
-            ep = _Endpoint(name, slot, 1 << slot)
+            ep = _Endpoint(name, slot, 1 << slot, EndpointKeyState(name))
             self._by_slot[slot] = ep
             self._slot_names[slot] = name
             if slot >= self._tier_width:
@@ -1020,43 +804,3 @@ class KVBlockIndex:
         if self.entries > self.max_entries:
             errors.append(f"entries {self.entries} exceed max_entries {self.max_entries}")
         return errors[:limit]
-
-
-def _diagnose(event: BlockStored, keys: list[int], config: HashConfig) -> tuple[str, bool]:
-    """A guess at the pod's hash configuration from one event that starts a chain, for the
-    mismatch log line (runs once per endpoint), and whether the pod's flags can fix it."""
-    size = event.block_size
-    if event.parent_block_hash is not None or size <= 0:
-        return "Its configuration cannot be told from an event that continues a chain.", True
-    first = event.token_ids[:size]
-    if size % config.block_size == 0 and size > config.block_size:
-        # Hybrid/multi-group models hash at a smaller unit and report the last hash per KV block
-        # (docs/vllm-interop.md §3): same algorithm and seed, coarser blocks.
-        chain = config.none_hash
-        for start in range(0, size, config.block_size):
-            chain = config.hash_block(chain, first[start : start + config.block_size], None)
-        if event_key(chain) == keys[0]:
-            guess = (
-                f"It hashes like this EPP at block size {config.block_size} but reports "
-                f"{size}-token KV blocks (a hybrid or multi-group model), which is expected."
-            )
-            return guess, False
-    seeds = list(dict.fromkeys((config.seed, *_DIAGNOSIS_SEEDS)))
-    for algo in HASH_ALGOS:
-        for seed in seeds:
-            try:
-                candidate = HashConfig(block_size=size, algo=algo, seed=seed)  # type: ignore[arg-type]
-            except HashConfigError:
-                continue
-            digest = candidate.hash_block(candidate.none_hash, first, None)
-            if event_key(digest) == keys[0]:
-                shown = "unset" if seed is None else repr(seed)
-                return (
-                    f"Its keys match algo {algo}, PYTHONHASHSEED {shown}, block size {size}.",
-                    True,
-                )
-    guess = (
-        "No algorithm with PYTHONHASHSEED unset, '0', '42' or the configured seed reproduces its "
-        "keys (another seed, or extra keys the event does not show)."
-    )
-    return guess, True
