@@ -42,6 +42,7 @@ from epp.discovery import Discovery
 from epp.discovery.kubernetes import KubernetesDiscovery, PoolRef
 from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
+from epp.gauges import GaugeSample
 from epp.health import HealthService, add_health_service
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
@@ -55,7 +56,7 @@ from epp.telemetry import Telemetry
 from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
-from scorers.base import GaugeSample, PluginContext
+from scorers.base import PluginContext
 
 logger = logging.getLogger(__name__)
 

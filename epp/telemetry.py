@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scorers.base import GaugeSample
+from epp.gauges import GaugeSample
 
 # Decision latencies are sub-millisecond to tens of milliseconds.
 _LATENCY_BUCKETS: Final = (

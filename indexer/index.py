@@ -96,6 +96,27 @@ class IndexConfigError(IndexerError, ValueError):
     negative weight)."""
 
 
+def tier_of(medium: str | None) -> int:
+    """The tier (0 GPU, 1 CPU, 2 STORAGE) of an event's ``medium``."""
+    return _GPU if medium is None else _TIER_OF_MEDIUM.get(medium, _GPU)
+
+
+def validated_tier_weights(tier_weights: Mapping[str, float] | None) -> dict[str, float]:
+    """Every tier's weight: the defaults, overridden by ``tier_weights`` (checked)."""
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    for tier, weight in (tier_weights or {}).items():
+        if tier not in weights:
+            raise IndexConfigError(
+                f"tier_weights: unknown tier {tier!r}; expected one of {', '.join(TIERS)}"
+            )
+        if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+            raise IndexConfigError(
+                f"tier_weights[{tier!r}] must be a finite number >= 0, got {weight!r}"
+            )
+        weights[tier] = float(weight)
+    return weights
+
+
 @dataclass(slots=True, frozen=True)
 class PrefixMatch:
     """How much of a request's prefix one endpoint holds: ``blocks`` consecutive blocks from
@@ -196,17 +217,7 @@ class KVBlockIndex:
             )
         if verify_cache_blocks < 0:
             raise IndexConfigError(f"verify_cache_blocks must be >= 0, got {verify_cache_blocks!r}")
-        weights = dict(DEFAULT_TIER_WEIGHTS)
-        for tier, weight in (tier_weights or {}).items():
-            if tier not in weights:
-                raise IndexConfigError(
-                    f"tier_weights: unknown tier {tier!r}; expected one of {', '.join(TIERS)}"
-                )
-            if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
-                raise IndexConfigError(
-                    f"tier_weights[{tier!r}] must be a finite number >= 0, got {weight!r}"
-                )
-            weights[tier] = float(weight)
+        weights = validated_tier_weights(tier_weights)
         self.tier_weights: Mapping[str, float] = MappingProxyType(weights)
         self._weights: tuple[float, float, float] = (
             weights["GPU"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from indexer.hashing import HASH_ALGOS
 from indexer.index import DEFAULT_MAX_ENTRIES
@@ -42,6 +42,43 @@ class KVEventsSettings(BaseModel):
     replayTimeoutSeconds: float = Field(default=1.0, gt=0, le=60)
 
 
+class InMemoryIndexSettings(BaseModel):
+    """``kvBlockIndexConfig.inMemoryConfig``: the index in this process (the default).  Its bound
+    is ``maxIndexEntries``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RedisIndexSettings(BaseModel):
+    """``kvBlockIndexConfig.redisConfig``: the index in a Redis or Valkey server, which EPP
+    replicas can share (llm-d's names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = "redis://127.0.0.1:6379"
+    """``redis://``, ``rediss://`` (TLS), ``valkey://``, ``valkeys://`` or ``unix://``, with
+    ``user:password@`` and ``/db`` as the URL says."""
+    backendType: Literal["redis", "valkey"] = "redis"
+    """Which server it is (both speak the same protocol; informational, as in llm-d)."""
+    namespace: str = Field(default="kv-epp", min_length=1, pattern=r"^[^\s:]+$")
+    """Prefix of every key this EPP writes, so several pools can share one server."""
+
+
+class KVBlockIndexSettings(BaseModel):
+    """``kvBlockIndexConfig``: where the entries live; at most one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inMemoryConfig: InMemoryIndexSettings | None = None
+    redisConfig: RedisIndexSettings | None = None
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> KVBlockIndexSettings:
+        if self.inMemoryConfig is not None and self.redisConfig is not None:
+            raise ValueError("set inMemoryConfig or redisConfig, not both")
+        return self
+
+
 class KVCacheSettings(BaseModel):
     """How to build one KV-cache view: the pods' hashing settings, the tokenizers, the index's
     bounds and checks, where events come from.  Defaults match vLLM's own, so a fleet started
@@ -75,6 +112,9 @@ class KVCacheSettings(BaseModel):
     every event.  Checking costs about four times the ingestion of an unchecked block; a pod
     that disagrees is re-keyed for good, whatever this says."""
     kvEvents: KVEventsSettings = Field(default_factory=KVEventsSettings)
+    kvBlockIndexConfig: KVBlockIndexSettings = Field(default_factory=KVBlockIndexSettings)
+    """Where the index lives: in this process (the default) or, with ``redisConfig``, in a
+    Redis/Valkey server shared by replicas (`kvcache.redis_index`)."""
     speculativeIndexing: bool = False
     """Record each routed request's blocks as predicted on its endpoint until its events arrive
     (llm-d's option; off by default there and here, on in the project's default profile)."""
@@ -104,6 +144,17 @@ class KVCacheSettings(BaseModel):
     @classmethod
     def _optional_duration(cls, value: object) -> float | None:
         return None if value is None else parse_duration(value)
+
+    @model_validator(mode="after")
+    def _bound_applies(self) -> KVCacheSettings:
+        if self.kvBlockIndexConfig.redisConfig is not None and (
+            "maxIndexEntries" in self.model_fields_set
+        ):
+            raise ValueError(
+                "maxIndexEntries bounds the in-memory index only; with redisConfig the store "
+                "holds what the pods hold (give the server the memory), so remove it"
+            )
+        return self
 
     @field_validator("hashAlgo")
     @classmethod

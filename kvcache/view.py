@@ -29,21 +29,27 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from epp.gauges import GaugeSample
 from indexer.errors import TokenizationError
 from indexer.events import BlockRemoved, BlockStored, KVEventBatch
 from indexer.hashing import HashAlgo, HashConfig, PrefixHasher, event_keys
-from indexer.index import KVBlockIndex
 from indexer.subscriber import CentralSubscriber, SubscriberPool
 from indexer.subscriber_config import SubscriberConfig, SubscriberStats
 from indexer.tokenization import PromptTokenizer, TokenizerRegistry
+from kvcache.backend import IndexBackend, build_backend
 from kvcache.predictions import PredictedBlocks
 from kvcache.settings import KVCacheSettings
 from kvcache.silent import SilentPublishers
-from scorers.base import Endpoint, GaugeSample
+
+if TYPE_CHECKING:
+    from kvcache.redis_index import RedisStore
+    from scorers.base import Endpoint
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,13 @@ class KVCacheView:
         self._block_size: int | None = s.blockSize
         self._hasher: PrefixHasher | None = None
         self._hasher_lock = threading.Lock()  # PrefixHasher's cache is not thread-safe
-        self.index: KVBlockIndex | None = None
+        self.index: IndexBackend | None = None
+        redis = s.kvBlockIndexConfig.redisConfig
+        self._store: RedisStore | None = None
+        if redis is not None:
+            from kvcache.redis_index import RedisStore  # the client only when configured
+
+            self._store = RedisStore(redis.address, redis.namespace)
         self._subscriber: SubscriberPool | CentralSubscriber | None = None
         self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
         self._warned: set[str] = set()
@@ -124,12 +136,7 @@ class KVCacheView:
         config = HashConfig(block_size=block_size, algo=self._algo, seed=s.hashSeed)
         self._block_size = block_size
         self._hasher = PrefixHasher(config)
-        self.index = KVBlockIndex(
-            max_entries=s.maxIndexEntries,
-            hash_config=config if s.selfCheck else None,
-            tier_weights=s.tierWeights or None,
-            self_check_blocks=s.selfCheckBlocks,
-        )
+        self.index = build_backend(s, config, self._store)
         logger.info(
             "KV-cache view: block size %d, hash %s, PYTHONHASHSEED %s",
             block_size,
@@ -156,9 +163,14 @@ class KVCacheView:
     # -- lifecycle and endpoints --------------------------------------------------------------
 
     async def start(self, executor: Executor | None) -> None:
-        """Load and warm the tokenizers (a transformers import and a tokenizer load take
-        seconds, which would stall every request of the first burst), then subscribe."""
+        """Check the store (a wrong address or a server that does not answer fails the start,
+        with `kvcache.redis_index.KVStoreError`), load and warm the tokenizers (a transformers
+        import and a tokenizer load take seconds, which would stall every request of the first
+        burst), then subscribe."""
         loop = asyncio.get_running_loop()
+        if self._store is not None:
+            await loop.run_in_executor(executor, self._store.check)
+            self._store.start()
         for model in self.settings.tokenizers or (["*"] if self.settings.tokenizer else []):
             try:
                 await loop.run_in_executor(executor, self._tokenizer_for, model)
@@ -180,6 +192,8 @@ class KVCacheView:
         if self._subscriber is not None:
             await self._subscriber.close()
             self._subscriber = None
+        if self._store is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._store.stop)
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
         subscriber = self._subscriber
@@ -291,8 +305,11 @@ class KVCacheView:
             )
         return event_keys(digests)
 
-    def lookup(self, keys: list[int], addresses: Sequence[str]) -> PrefixLookup:
-        """What each of ``addresses`` holds of the prompt whose block keys are ``keys``."""
+    async def lookup(
+        self, keys: list[int], addresses: Sequence[str], executor: Executor | None = None
+    ) -> PrefixLookup:
+        """What each of ``addresses`` holds of the prompt whose block keys are ``keys``.  A
+        store's lookups run in ``executor``, off the event loop."""
         untrusted = self._silent_now()
         block_size = self._block_size or 0
         index = self.index
@@ -301,25 +318,37 @@ class KVCacheView:
         if index is None or not keys:
             return PrefixLookup(blocks, weighted, {}, {}, 0, len(keys))
         trusted = [a for a in addresses if a not in untrusted] if untrusted else list(addresses)
-        for address, match in index.prefix_match(keys, trusted).items():
+        found = await self._call(executor, index.match, keys, trusted)
+        for address, match in found.prefix.items():
             blocks[address] = match.blocks
             weighted[address] = match.weighted
         indexed = {a: blocks[a] for a in trusted}
         computed = max(indexed.values(), default=0)
-        cached = {a: index.endpoint_blocks(a) * block_size for a in trusted}
+        cached = {a: found.held_blocks.get(a, 0) * block_size for a in trusted}
         predictions = self.predictions
         if predictions:
             now = self._clock()
             predictions.expire(now)
             for address in predictions.endpoints(trusted):
-                extended = self._extend_with_predictions(keys, address, blocks[address], now)
+                extended = await self._extend_with_predictions(
+                    keys, address, blocks[address], now, executor
+                )
                 if extended > blocks[address]:
                     # Predicted blocks will be on GPU once the routed prefill runs.
                     weighted[address] += extended - blocks[address]
                     blocks[address] = extended
         return PrefixLookup(blocks, weighted, indexed, cached, computed * block_size, len(keys))
 
-    def _extend_with_predictions(self, keys: list[int], address: str, real: int, now: float) -> int:
+    async def _call(self, executor: Executor | None, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``: in ``executor`` when the index answers over the network."""
+        index = self.index
+        if executor is None or index is None or not index.blocking:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def _extend_with_predictions(
+        self, keys: list[int], address: str, real: int, now: float, executor: Executor | None
+    ) -> int:
         """The longest run of leading blocks ``address`` holds really or predictively, given
         that it really holds the first ``real``: alternate predicted and real runs."""
         index = self.index
@@ -331,7 +360,8 @@ class KVCacheView:
                 break
             position += predicted
             if position < len(keys):
-                position += index.longest_prefix(keys[position:], (address,))[address]
+                held = await self._call(executor, index.longest_prefix, keys[position:], (address,))
+                position += held[address]
         return position
 
     def predict(self, address: str, keys: Sequence[int]) -> None:
@@ -417,7 +447,7 @@ class KVCacheView:
                 )
         index = self.index
         if index is not None:
-            yield from _index_samples(index)
+            yield from index.telemetry_samples()
         subscriber = self._subscriber
         if subscriber is not None:
             stats = subscriber.stats
@@ -425,39 +455,6 @@ class KVCacheView:
                 yield GaugeSample(
                     f"inference_extension_kv_events_{field}", help_text, getattr(stats, field)
                 )
-
-
-def _index_samples(index: KVBlockIndex) -> Iterable[GaugeSample]:
-    yield GaugeSample(
-        "inference_extension_kv_index_entries",
-        "(block, endpoint) entries in the precise KV-block index.",
-        index.entries,
-    )
-    yield GaugeSample(
-        "inference_extension_prefix_indexer_size",
-        "Distinct block keys in the precise KV-block index.",
-        index.blocks,
-    )
-    yield GaugeSample(
-        "inference_extension_kv_index_evictions",
-        "Index entries evicted because maxIndexEntries was reached (cumulative).",
-        index.evictions_total,
-    )
-    for endpoint, count in index.mismatches.items():
-        yield GaugeSample(
-            "inference_extension_kv_hash_mismatches",
-            "KV events whose block hashes disagreed with the EPP's (cumulative); the "
-            "endpoint is then indexed by the EPP's own hashes of its tokens.",
-            count,
-            (("endpoint", endpoint),),
-        )
-    for address in index.endpoints():
-        yield GaugeSample(
-            "inference_extension_kv_index_endpoint_entries",
-            "(block, endpoint) entries the precise KV-block index holds per endpoint.",
-            index.endpoint_stats(address).blocks,
-            (("endpoint", address),),
-        )
 
 
 _SUBSCRIBER_COUNTERS = (

@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
+from epp.gauges import GaugeSample
 from kvcache.settings import KVCacheSettings
 from kvcache.view import KVCacheView
-from scorers.base import Endpoint, GaugeSample
+
+if TYPE_CHECKING:
+    from scorers.base import Endpoint
 
 
 class KVCacheViews:

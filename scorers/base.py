@@ -216,17 +216,6 @@ class Usage:
     cached_tokens: int | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class GaugeSample:
-    """One gauge value a plugin exports, read at every Prometheus scrape (plugins implement
-    ``telemetry_samples() -> Iterable[GaugeSample]``; the server registers them)."""
-
-    name: str
-    documentation: str
-    value: float
-    labels: tuple[tuple[str, str], ...] = ()
-
-
 class EndpointSource(Protocol):
     """Read access to the current endpoints (implemented by ``epp.datastore.Datastore``)."""
 

@@ -98,7 +98,7 @@ class PrecisePrefixCacheScorer(Plugin[PrecisePrefixParameters]):
         if view.index is None or not keys:
             request.data[_SCORES] = {}
             return
-        found = view.lookup(keys, [ep.address for ep in endpoints])
+        found = await view.lookup(keys, [ep.address for ep in endpoints], executor)
         request.data[_INDEXED_BLOCKS] = found.indexed
         request.data[PREFIX_COMPUTED_TOKENS] = found.computed_tokens
         request.data[KV_CACHED_TOKENS] = found.cached_tokens

@@ -73,9 +73,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from epp.gauges import GaugeSample
 from scorers.base import (
     Endpoint,
-    GaugeSample,
     LLMRequest,
     Plugin,
     PluginContext,

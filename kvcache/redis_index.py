@@ -1,0 +1,456 @@
+"""A KV-block index in a Redis or Valkey server (``kvBlockIndexConfig.redisConfig``).
+
+Layout, under a namespace (``namespace``, default ``kv-epp``) so several pools can share one
+server: one hash per endpoint, ``{ns}:e:{endpoint}``, block key (8 bytes, big-endian) → the tiers
+the endpoint holds the block on, as bits (GPU 1, CPU 2, STORAGE 4).  A restart or a departure is
+one ``UNLINK``; the endpoint's size is ``HLEN``.
+
+Every write and every lookup is one Lua script, so each is atomic and costs one round trip, with
+the block keys sent as one string.  A lookup asks each candidate for block 0 and walks only the
+holders' runs, a chunk of keys per call, stopping where each run ends.  Scripts name their keys
+in ARGV, so this needs one server (or a primary with replicas), not Redis Cluster.
+
+Writes come from the event path, on the event loop's thread; they are queued and a writer
+thread sends them in pipelines, in order, so ingestion never waits for the network.  Lookups are
+called from the CPU executor (the backend is ``blocking``).  The self-check of the pods' keys
+(`indexer.key_check.KeyCheck`) runs in this process before anything is written, so the store
+holds the keys requests will look up.
+
+When the store cannot be reached, lookups answer "nothing held" (routing falls back to load),
+writes are dropped and counted, the outage is logged once and exported
+(``inference_extension_kv_store_up``), and the writer keeps trying; nothing fails a request.
+Entries are not bounded by ``maxIndexEntries`` here: removals keep the store at the fleet's real
+cache size; give the server memory for it (``benchmarks.kvstore`` measures the bytes per
+(block, endpoint) entry).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, cast
+
+import valkey
+
+from epp.gauges import GaugeSample
+from indexer.errors import IndexerError
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_key
+from indexer.hashing import HashConfig
+from indexer.index import (
+    DEFAULT_MAX_ENTRIES,
+    TIERS,
+    PrefixMatch,
+    tier_of,
+    validated_tier_weights,
+)
+from indexer.key_check import EndpointKeyState, KeyCheck
+from kvcache.backend import BlockMatch, mismatch_samples
+
+logger = logging.getLogger(__name__)
+
+_UINT64: Final = (1 << 64) - 1
+_WRITES_PER_PIPELINE: Final = 256  # queued writes sent in one round trip
+_RETRY_S: Final = 1.0  # between connection attempts while the store is down
+_STOP: Final = object()
+
+# (script, endpoint, tier bits, block keys), as the writer sends it.
+_Write = tuple[Any, str, int, Sequence[int]]
+
+# Block keys travel as one string of 8-byte big-endian keys (ARGV[4] for writes, the last ARGV
+# of a match): one argument instead of hundreds to encode and parse.
+_KEYS_OF: Final = """
+local function keys_of(blob)
+  local out = {}
+  for i = 1, #blob, 8 do out[#out + 1] = string.sub(blob, i, i + 7) end
+  return out
+end
+"""
+
+_STORE: Final = (
+    _KEYS_OF
+    + """
+local held, bits = ARGV[1] .. ':e:' .. ARGV[2], tonumber(ARGV[3])
+local keys = keys_of(ARGV[4])
+local now = redis.call('HMGET', held, unpack(keys))
+local set = {}
+for i, key in ipairs(keys) do
+  local was = tonumber(now[i]) or 0
+  local new = bit.bor(was, bits)
+  if new ~= was then
+    set[#set + 1] = key
+    set[#set + 1] = new
+  end
+end
+if #set > 0 then redis.call('HSET', held, unpack(set)) end
+return 0
+"""
+)
+
+_REMOVE: Final = (
+    _KEYS_OF
+    + """
+local held, bits = ARGV[1] .. ':e:' .. ARGV[2], tonumber(ARGV[3])
+local keys = keys_of(ARGV[4])
+local now = redis.call('HMGET', held, unpack(keys))
+local set, gone = {}, {}
+for i, key in ipairs(keys) do
+  local was = tonumber(now[i]) or 0
+  local new = bit.band(was, bit.bnot(bits))
+  if was ~= 0 and new == 0 then
+    gone[#gone + 1] = key
+  elseif new ~= was then
+    set[#set + 1] = key
+    set[#set + 1] = new
+  end
+end
+if #gone > 0 then redis.call('HDEL', held, unpack(gone)) end
+if #set > 0 then redis.call('HSET', held, unpack(set)) end
+return 0
+"""
+)
+
+_CLEAR: Final = """
+local held = ARGV[1] .. ':e:' .. ARGV[2]
+local count = redis.call('HLEN', held)
+redis.call('UNLINK', held)
+return count
+"""
+
+_ADDRESS_SCHEMES: Final = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
+def _packed(keys: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(keys)}Q", *keys)
+
+
+class KVStoreError(IndexerError, ValueError):
+    """The configured store cannot be used (a malformed address, a server that does not answer
+    at start)."""
+
+
+class RedisStore:
+    """The connection to one Redis/Valkey server, its scripts and the writer thread."""
+
+    def __init__(self, address: str, namespace: str, *, timeout_s: float = 0.5) -> None:
+        if not address.startswith(_ADDRESS_SCHEMES):
+            raise KVStoreError(
+                f"KV-cache store address {address!r} must start with one of "
+                f"{', '.join(_ADDRESS_SCHEMES)} (e.g. redis://valkey.kv.svc:6379)"
+            )
+        self.address = address
+        self.namespace = namespace
+        try:
+            self._client = valkey.Valkey.from_url(
+                address, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            )
+        except ValueError as exc:
+            raise KVStoreError(f"KV-cache store address {address!r}: {exc}") from exc
+        self._store = self._client.register_script(_STORE)
+        self._remove = self._client.register_script(_REMOVE)
+        self._clear = self._client.register_script(_CLEAR)
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self.up = True
+        self.outages_total = 0
+        self.writes_total = 0
+        self.dropped_writes_total = 0
+        self.lookup_errors_total = 0
+        self.write_errors_total = 0
+
+    def check(self) -> None:
+        """Raise `KVStoreError` unless the server answers (at start, before SERVING)."""
+        try:
+            self._client.ping()
+        except valkey.ValkeyError as exc:
+            raise KVStoreError(
+                f"KV-cache store {self.address} does not answer ({exc}); check "
+                "kvBlockIndexConfig.redisConfig.address and that the server is running"
+            ) from exc
+
+    def start(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer")
+            self._writer.daemon = True
+            self._writer.start()
+
+    def stop(self) -> None:
+        """Send what is queued, then stop the writer."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(_STOP)
+            writer.join(timeout=5.0)
+        self._client.close()  # type: ignore[no-untyped-call]
+
+    # -- writes (any thread; sent by the writer in order) --------------------------------------
+
+    def store(self, endpoint: str, keys: Sequence[int], tier_bits: int) -> None:
+        self._queue.put((self._store, endpoint, tier_bits, keys))
+
+    def remove(self, endpoint: str, keys: Sequence[int], tier_bits: int) -> None:
+        self._queue.put((self._remove, endpoint, tier_bits, keys))
+
+    def clear(self, endpoint: str) -> None:
+        self._queue.put((self._clear, endpoint, 0, ()))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every write queued so far was sent (tests and benchmarks)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            batch = [first]
+            while len(batch) < _WRITES_PER_PIPELINE:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            writes = [cast(_Write, w) for w in batch if isinstance(w, tuple)]
+            if writes:
+                self._send(writes)
+            for item in batch:
+                if isinstance(item, threading.Event):
+                    item.set()
+            if any(item is _STOP for item in batch):
+                return
+            if not self.up:
+                self._wait_until_up()
+
+    def _send(self, writes: list[_Write]) -> None:
+        """One pipeline; on failure the writes are dropped and counted (a connection failure
+        also marks the store down, and the writer waits for it)."""
+        ns = self.namespace
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for script, endpoint, bits, keys in writes:
+                script(args=[ns, endpoint, bits, _packed(keys)], client=pipe)
+            pipe.execute()  # type: ignore[no-untyped-call]
+        except (valkey.ConnectionError, valkey.TimeoutError) as exc:
+            self.dropped_writes_total += len(writes)
+            self._went_down(exc)
+            return
+        except valkey.ValkeyError as exc:
+            # The server answered with an error (out of memory, a script refused): the store
+            # is up, these writes are lost.
+            self.dropped_writes_total += len(writes)
+            self.write_errors_total += 1
+            logger.error("KV-cache store %s refused writes: %s", self.address, exc)
+            return
+        self.writes_total += len(writes)
+        self._came_back()
+
+    def _went_down(self, exc: Exception) -> None:
+        if self.up:
+            self.up = False
+            self.outages_total += 1
+            logger.error(
+                "KV-cache store %s unreachable (%s): routing uses load only, KV events are not "
+                "recorded until it answers again",
+                self.address,
+                exc,
+            )
+
+    def _came_back(self) -> None:
+        if not self.up:
+            self.up = True
+            logger.warning("KV-cache store %s answers again", self.address)
+
+    def _wait_until_up(self) -> None:
+        """Ping until the store answers (or the writer is stopped).  Writes queued while it
+        does not are dropped and counted: they describe a view the store will not have, and
+        the pods' later events carry on from whatever it holds."""
+        while True:
+            try:
+                self._client.ping()
+            except (valkey.ConnectionError, valkey.TimeoutError):
+                pass
+            else:
+                self._came_back()
+                return
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, threading.Event):
+                    item.set()
+                elif item is _STOP:
+                    self._queue.put(_STOP)
+                    return
+                else:
+                    self.dropped_writes_total += 1
+            time.sleep(_RETRY_S)
+
+    # -- reads (the CPU executor) -------------------------------------------------------------
+
+    def match(
+        self, keys: Sequence[int], endpoints: Sequence[str]
+    ) -> tuple[dict[str, list[bytes | None]], dict[str, int]] | None:
+        """Per endpoint holding block 0 of ``keys``: its tiers of every block (None where it
+        does not hold it); per endpoint: its blocks held.  Two round trips: block 0 and the size
+        of every candidate, then the whole prompt for the holders only.  None (counted, logged)
+        when the store fails."""
+        fields = [key.to_bytes(8, "big") for key in keys]
+        names = [f"{self.namespace}:e:{endpoint}" for endpoint in endpoints]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.hget(name, fields[0])  # type: ignore[arg-type]  # bytes fields
+                pipe.hlen(name)
+            first = pipe.execute()  # type: ignore[no-untyped-call]
+            holders = [i for i in range(len(names)) if first[2 * i] is not None]
+            runs: list[list[bytes | None]] = []
+            if holders:
+                pipe = self._client.pipeline(transaction=False)
+                for i in holders:
+                    pipe.hmget(names[i], fields)
+                runs = pipe.execute()  # type: ignore[no-untyped-call]
+        except (valkey.ConnectionError, valkey.TimeoutError) as exc:
+            self.lookup_errors_total += 1
+            self._went_down(exc)
+            return None
+        except valkey.ValkeyError as exc:
+            self.lookup_errors_total += 1
+            logger.error("KV-cache store %s failed a lookup: %s", self.address, exc)
+            return None
+        self._came_back()
+        held = {endpoint: int(first[2 * i + 1]) for i, endpoint in enumerate(endpoints)}
+        return {endpoints[i]: run for i, run in zip(holders, runs, strict=True)}, held
+
+
+class RedisIndex:
+    """An `IndexBackend` whose entries live in a `RedisStore`; see the module docstring."""
+
+    blocking = True
+
+    def __init__(
+        self,
+        store: RedisStore,
+        *,
+        hash_config: HashConfig | None,
+        tier_weights: dict[str, float] | None,
+        self_check_blocks: int | None,
+        verify_cache_blocks: int = 65_536,
+    ) -> None:
+        self.store = store
+        weights = validated_tier_weights(tier_weights)
+        self._weights = tuple(weights[tier] for tier in TIERS)
+        # A stored value (the tier bits, as the server returns it) → the weight of its best
+        # tier, as the in-memory index weighs a block held on several tiers.
+        self._weight_of: dict[bytes, float] = {
+            str(bits).encode(): max(self._weights[t] for t in range(3) if bits >> t & 1)
+            for bits in range(1, 8)
+        }
+        self.key_check = KeyCheck(
+            hash_config,
+            self_check_blocks=self_check_blocks,
+            verify_cache_blocks=verify_cache_blocks,
+        )
+        self._endpoints: dict[str, EndpointKeyState] = {}
+
+    def _check_state(self, endpoint: str) -> EndpointKeyState:
+        state = self._endpoints.get(endpoint)
+        if state is None:
+            state = self._endpoints[endpoint] = EndpointKeyState(endpoint)
+        return state
+
+    def _link_bound(self) -> int:
+        return max(1, DEFAULT_MAX_ENTRIES // max(1, len(self._endpoints)))
+
+    def apply(self, endpoint: str, batch: KVEventBatch) -> None:
+        state = self._check_state(endpoint)
+        check = self.key_check
+        store = self.store
+        for event in batch.events:
+            if type(event) is BlockStored:
+                if not event.block_hashes:
+                    continue
+                keys = [h & _UINT64 if type(h) is int else block_key(h) for h in event.block_hashes]
+                stored = check.stored_keys(state, event, keys, self._link_bound)
+                if stored is not None:
+                    store.store(endpoint, stored, 1 << tier_of(event.medium))
+            elif type(event) is BlockRemoved:
+                keys = [h & _UINT64 if type(h) is int else block_key(h) for h in event.block_hashes]
+                store.remove(endpoint, check.removed_keys(state, keys), 1 << tier_of(event.medium))
+                # Links are kept while another tier may still hold their blocks; without the
+                # store's answer here, a re-keyed pod's links go with its last tier's removal.
+                check.forget_removed(state, keys, ())
+            elif type(event) is AllBlocksCleared:
+                store.clear(endpoint)
+                state.links.clear()
+
+    def clear_endpoint(self, endpoint: str) -> int:
+        """Queued like any write, so the count of entries dropped is not known here: 0."""
+        self.store.clear(endpoint)
+        self._check_state(endpoint).restarted()
+        return 0
+
+    def remove_endpoint(self, endpoint: str) -> int:
+        self.store.clear(endpoint)
+        self._endpoints.pop(endpoint, None)
+        return 0
+
+    def match(self, keys: Sequence[int], endpoints: Sequence[str]) -> BlockMatch:
+        nothing = PrefixMatch(0, 0.0)
+        answer = self.store.match(keys, endpoints) if keys and endpoints else None
+        if answer is None:
+            return BlockMatch(dict.fromkeys(endpoints, nothing), dict.fromkeys(endpoints, 0))
+        runs, held = answer
+        weight_of = self._weight_of
+        prefix = dict.fromkeys(endpoints, nothing)
+        for endpoint, run in runs.items():
+            # Blocks counted per best-tier weight, then weighed once per tier: the same sum
+            # whatever the order of the blocks (equal to the in-memory index's up to rounding).
+            counts: dict[float, int] = {}
+            blocks = 0
+            for value in run:
+                weight = weight_of.get(value) if value is not None else None
+                if weight is None:  # not held, or not a value this EPP writes
+                    break
+                blocks += 1
+                counts[weight] = counts.get(weight, 0) + 1
+            prefix[endpoint] = PrefixMatch(blocks, sum(w * n for w, n in sorted(counts.items())))
+        return BlockMatch(prefix, held)
+
+    def longest_prefix(self, keys: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        names = list(endpoints)
+        return {a: m.blocks for a, m in self.match(keys, names).prefix.items()}
+
+    def telemetry_samples(self) -> Iterable[GaugeSample]:
+        store = self.store
+        yield GaugeSample(
+            "inference_extension_kv_store_up",
+            "1 while the shared KV-cache store answers, 0 during an outage (routing then uses "
+            "load only).",
+            1.0 if store.up else 0.0,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_outages",
+            "Times the shared KV-cache store stopped answering (cumulative).",
+            store.outages_total,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_writes",
+            "Writes (one per event's blocks) sent to the shared KV-cache store (cumulative).",
+            store.writes_total,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_dropped_writes",
+            "Writes dropped because the shared KV-cache store was unreachable (cumulative).",
+            store.dropped_writes_total,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_lookup_errors",
+            "Lookups the shared KV-cache store failed to answer (cumulative); each was routed "
+            "by load.",
+            store.lookup_errors_total,
+        )
+        yield from mismatch_samples(
+            {n: s.mismatch_events for n, s in self._endpoints.items() if s.mismatch_events}
+        )

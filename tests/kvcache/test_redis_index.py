@@ -1,0 +1,298 @@
+"""The Redis/Valkey index backend against a real server process (``launcher.kv_store``): the same
+answers as the in-memory index on the same events, the self-check before writing, the store's
+outage and return, malformed entries, and configuration errors."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import valkey
+
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from indexer.hashing import HashConfig, block_hashes
+from kvcache.backend import BlockMatch, MemoryIndex
+from kvcache.redis_index import KVStoreError, RedisIndex, RedisStore
+from launcher.kv_store import KVStoreServer
+from scorers.base import Endpoint, LLMRequest, PluginConfigError, PluginContext, create_plugin
+from scorers.precise_prefix import PrecisePrefixCacheScorer
+
+BLOCK = 4
+CONFIG = HashConfig(block_size=BLOCK, algo="sha256", seed=None)
+PODS = [f"10.0.0.{i}:8000" for i in range(1, 6)]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[KVStoreServer]:
+    with KVStoreServer(tmp_path) as running:
+        yield running
+
+
+def _store(server: KVStoreServer, namespace: str = "test") -> RedisStore:
+    store = RedisStore(server.address, namespace)
+    store.check()
+    store.start()
+    return store
+
+
+def _stored(tokens: list[int], *, medium: str = "GPU", seed: str | None = None) -> BlockStored:
+    keys = block_hashes(tokens, block_size=BLOCK, algo="sha256", seed=seed)
+    return BlockStored(
+        block_hashes=tuple(keys),
+        parent_block_hash=None,
+        token_ids=tuple(tokens[: len(keys) * BLOCK]),
+        block_size=BLOCK,
+        medium=medium,
+    )
+
+
+def _same(a: BlockMatch, b: BlockMatch) -> None:
+    """Equal answers: the same blocks, the same held counts, weights equal up to rounding (the
+    two backends add the same tier weights in different orders)."""
+    assert a.held_blocks == b.held_blocks
+    assert {e: m.blocks for e, m in a.prefix.items()} == {e: m.blocks for e, m in b.prefix.items()}
+    for endpoint, match in a.prefix.items():
+        assert match.weighted == pytest.approx(b.prefix[endpoint].weighted, rel=1e-12)
+
+
+def _random_events(rng: random.Random, prompts: list[list[int]]) -> list[tuple[str, KVEventBatch]]:
+    """Stores of prompt prefixes on several tiers, removals of some of their blocks, a clear."""
+    out: list[tuple[str, KVEventBatch]] = []
+    for _ in range(120):
+        pod = rng.choice(PODS)
+        tokens = rng.choice(prompts)[: BLOCK * rng.randint(1, 16)]
+        roll = rng.random()
+        if roll < 0.7:
+            event: Any = _stored(tokens, medium=rng.choice(["GPU", "GPU", "CPU", "STORAGE"]))
+        elif roll < 0.97:
+            stored = _stored(tokens)
+            start = rng.randrange(len(stored.block_hashes))
+            event = BlockRemoved(
+                block_hashes=stored.block_hashes[start:], medium=rng.choice(["GPU", "CPU"])
+            )
+        else:
+            event = AllBlocksCleared()
+        out.append((pod, KVEventBatch(ts=0.0, events=(event,))))
+    return out
+
+
+def test_answers_equal_the_in_memory_index_on_the_same_events(server: KVStoreServer) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(50_000) for _ in range(64)] for _ in range(6)]
+    memory = MemoryIndex(hash_config=CONFIG)
+    store = _store(server)
+    redis = RedisIndex(store, hash_config=CONFIG, tier_weights=None, self_check_blocks=None)
+    try:
+        for pod, batch in _random_events(rng, prompts):
+            memory.apply(pod, batch)
+            redis.apply(pod, batch)
+        assert store.flush()
+        for prompt in prompts:
+            for length in (1, 5, 16):
+                keys = [
+                    k & ((1 << 64) - 1)
+                    for k in block_hashes(prompt[: BLOCK * length], block_size=BLOCK, algo="sha256")
+                ]
+                _same(redis.match(keys, PODS), memory.match(keys, PODS))
+        # Restarts and departures drop exactly that pod's entries.
+        memory.clear_endpoint(PODS[0])
+        redis.clear_endpoint(PODS[0])
+        memory.remove_endpoint(PODS[1])
+        redis.remove_endpoint(PODS[1])
+        assert store.flush()
+        keys = block_hashes(prompts[0][: BLOCK * 16], block_size=BLOCK, algo="sha256")
+        _same(redis.match(keys, PODS), memory.match(keys, PODS))
+        assert store.dropped_writes_total == 0 and store.writes_total > 100
+    finally:
+        store.stop()
+
+
+def test_a_pod_hashing_differently_is_stored_under_the_epp_keys(server: KVStoreServer) -> None:
+    store = _store(server)
+    redis = RedisIndex(store, hash_config=CONFIG, tier_weights=None, self_check_blocks=None)
+    tokens = [random.Random(3).randrange(50_000) for _ in range(32)]
+    try:
+        redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens, seed="42"),)))
+        assert store.flush()
+        ours = block_hashes(tokens, block_size=BLOCK, algo="sha256")
+        assert redis.match(ours, PODS[:2]).prefix[PODS[0]].blocks == 8
+        assert redis.key_check.mismatch_events_total == 1
+    finally:
+        store.stop()
+
+
+def test_store_outage_routes_by_load_then_recovers(server: KVStoreServer) -> None:
+    store = _store(server)
+    redis = RedisIndex(store, hash_config=None, tier_weights=None, self_check_blocks=None)
+    tokens = list(range(32))
+    keys = block_hashes(tokens, block_size=BLOCK, algo="sha256")
+    try:
+        redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        assert store.flush()
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 8
+        server.kill()
+        # A lookup during the outage answers "nothing held", it does not raise.
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 0
+        assert not store.up and store.lookup_errors_total == 1
+        redis.apply(PODS[1], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        assert store.flush(timeout_s=10)
+        assert store.dropped_writes_total >= 1
+        gauges = {s.name: s.value for s in redis.telemetry_samples()}
+        assert gauges["inference_extension_kv_store_up"] == 0.0
+        server.start()  # same port, empty: a restarted server without persistence
+        redis.apply(PODS[2], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        assert store.flush(timeout_s=10)
+        found = redis.match(keys, PODS[:3]).prefix
+        assert store.up and found[PODS[2]].blocks == 8 and found[PODS[0]].blocks == 0
+        assert store.outages_total == 1
+    finally:
+        store.stop()
+
+
+def test_a_malformed_entry_reads_as_not_held_and_is_overwritten(server: KVStoreServer) -> None:
+    store = _store(server, namespace="bad")
+    redis = RedisIndex(store, hash_config=None, tier_weights=None, self_check_blocks=None)
+    tokens = list(range(16))
+    keys = block_hashes(tokens, block_size=BLOCK, algo="sha256")
+    client = valkey.Valkey.from_url(server.address)
+    try:
+        redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        assert store.flush()
+        client.hset(f"bad:e:{PODS[0]}", keys[1].to_bytes(8, "big"), "garbage")
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 1
+        redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        assert store.flush()
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 4
+        assert store.write_errors_total == 0 and store.lookup_errors_total == 0
+    finally:
+        client.close()
+        store.stop()
+
+
+def test_bad_addresses_fail_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(KVStoreError, match="must start with one of"):
+        RedisStore("127.0.0.1:6379", "kv")
+    unreachable = KVStoreServer(tmp_path)  # a port nobody listens on
+    store = RedisStore(unreachable.address, "kv")
+    with pytest.raises(KVStoreError, match=r"does not answer.*redisConfig\.address"):
+        store.check()
+
+
+def _plugin(params: dict[str, Any]) -> PrecisePrefixCacheScorer:
+    endpoints = [Endpoint(address=a) for a in PODS[:3]]
+
+    class Source:
+        def endpoints(self) -> list[Endpoint]:
+            return endpoints
+
+        def get(self, address: str) -> Endpoint | None:
+            return next((e for e in endpoints if e.address == address), None)
+
+    plugin = create_plugin(
+        "precise-prefix-cache-scorer", "p", params, PluginContext(endpoints=Source())
+    )
+    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    return plugin
+
+
+def test_the_scorer_scores_the_same_with_either_backend(server: KVStoreServer) -> None:
+    in_memory = _plugin({"blockSize": BLOCK})
+    shared = _plugin(
+        {"blockSize": BLOCK, "kvBlockIndexConfig": {"redisConfig": {"address": server.address}}}
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(50_000) for _ in range(48)] for _ in range(4)]
+
+    async def run() -> list[dict[str, float]]:
+        await shared.context.kv_caches.start()
+        try:
+            for i, prompt in enumerate(prompts):
+                batch = KVEventBatch(ts=0.0, events=(_stored(prompt[: BLOCK * (4 + 2 * i)]),))
+                for plugin in (in_memory, shared):
+                    plugin.view.apply(PODS[i % 3], batch)
+            store = shared.view._store
+            assert store is not None and store.flush()
+            scores = []
+            for prompt in prompts:
+                for plugin in (in_memory, shared):
+                    request = LLMRequest(request_id="r", model="m", prompt=prompt)
+                    eps = [Endpoint(address=a) for a in PODS[:3]]
+                    await plugin.prepare(request, eps)
+                    scores.append(plugin.score(request, eps))
+            return scores
+        finally:
+            await shared.context.kv_caches.stop()
+
+    scores = asyncio.run(run())
+    assert scores[0::2] == scores[1::2]
+    assert any(v > 0 for s in scores for v in s.values())
+
+
+@pytest.mark.parametrize(
+    ("index_config", "message"),
+    [
+        ({"inMemoryConfig": {}, "redisConfig": {}}, "not both"),
+        ({"redisConfig": {"adress": "redis://x:1"}}, "adress"),
+        ({"redisConfig": {"address": "x:1"}}, "must start with one of"),
+    ],
+)
+def test_index_configuration_errors_name_the_key(
+    index_config: dict[str, Any], message: str
+) -> None:
+    with pytest.raises((PluginConfigError, KVStoreError), match=message):
+        _plugin({"kvBlockIndexConfig": index_config})
+
+
+def test_max_index_entries_with_a_store_is_an_error() -> None:
+    with pytest.raises(PluginConfigError, match="maxIndexEntries bounds the in-memory index"):
+        _plugin(
+            {
+                "maxIndexEntries": 5000,
+                "kvBlockIndexConfig": {"redisConfig": {"address": "redis://127.0.0.1:1"}},
+            }
+        )
+
+
+def test_epp_serve_refuses_to_start_on_an_unreachable_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from epp.cli import main
+    from launcher.ports import reserve_port
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
+        "kind: EndpointPickerConfig\n"
+        "plugins:\n"
+        "- type: precise-prefix-cache-scorer\n"
+        "  parameters:\n"
+        "    blockSize: 16\n"
+        "    kvBlockIndexConfig:\n"
+        f"      redisConfig: {{address: 'redis://127.0.0.1:{reserve_port()}'}}\n"
+        "- type: max-score-picker\n"
+        "schedulingProfiles:\n"
+        "- name: default\n"
+        "  plugins: [{pluginRef: precise-prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"
+    )
+    ports = [str(reserve_port()) for _ in range(3)]
+    code = main(
+        [
+            "serve",
+            "--config-file",
+            str(config),
+            "--endpoints",
+            "127.0.0.1:9",
+            "--grpc-port",
+            ports[0],
+            "--grpc-health-port",
+            ports[1],
+            "--metrics-port",
+            ports[2],
+        ]
+    )
+    assert code == 2
+    assert "does not answer" in capsys.readouterr().err
