@@ -29,12 +29,16 @@ finish times.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
+import uuid
 from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import yaml
 
 from benchmarks.workloads import Workload
 from epp.config import build_scheduler, load_config
@@ -188,6 +192,7 @@ class Replay:
         *,
         policy: str = "policy",
         seed: int = 0,
+        kv_store: str | None = None,
     ) -> None:
         if len(keys) != len(workload.requests):
             raise ValueError("one block-key array per request is needed")
@@ -199,6 +204,10 @@ class Replay:
         clock = self._clock
         self.datastore = Datastore(clock=clock)
         self.context = PluginContext(endpoints=self.datastore, clock=clock, rng=random.Random(seed))
+        self.kv_store = kv_store
+        if kv_store is not None:
+            namespace = f"replay-{policy}-{seed}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            config_yaml = with_kv_store(config_yaml, kv_store, namespace)
         self.scheduler = build_scheduler(load_config(text=config_yaml), self.context)
         self.datastore.add_listener(self.scheduler)
         self.director = Director(self.datastore, self.scheduler)
@@ -340,6 +349,15 @@ class Replay:
     # -- the run ---------------------------------------------------------------------------------
 
     async def run(self) -> ReplayResult:
+        if self.kv_store is None:
+            return await self._run()
+        await self.context.kv_caches.start()
+        try:
+            return await self._run()
+        finally:
+            await self.context.kv_caches.stop()
+
+    async def _run(self) -> ReplayResult:
         started = time.perf_counter()
         index_of = {address: i for i, address in enumerate(self.addresses)}
         director = self.director
@@ -357,6 +375,10 @@ class Replay:
                 prompt=request.token_ids(),
                 stream=True,  # clients stream: the first token is seen when it is produced
             )
+            if self.kv_store is not None:
+                # The store applies writes on its own thread: let it catch up, so the decision
+                # sees the events delivered before it, as with the in-memory index.
+                self.context.kv_caches.flush()
             decision = await director.route(llm, None)
             assert isinstance(decision, TrackedDecision)
             pod = index_of[decision.targets[0]]
@@ -386,3 +408,19 @@ class Replay:
             wall_seconds=time.perf_counter() - started,
             decisions_per_pod=list(self._per_pod),
         )
+
+
+def with_kv_store(config_yaml: str, address: str, namespace: str) -> str:
+    """``config_yaml`` with every precise prefix scorer keeping its index in the Redis/Valkey
+    server at ``address``, under ``namespace`` (``maxIndexEntries`` dropped: it bounds the
+    in-memory index only)."""
+    config = yaml.safe_load(config_yaml)
+    for plugin in config.get("plugins", []):
+        if plugin.get("type") == "precise-prefix-cache-scorer":
+            params = plugin.setdefault("parameters", {}) or {}
+            params.pop("maxIndexEntries", None)
+            params["kvBlockIndexConfig"] = {
+                "redisConfig": {"address": address, "namespace": namespace}
+            }
+            plugin["parameters"] = params
+    return str(yaml.safe_dump(config, sort_keys=False))

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from benchmarks.policies import POLICIES, Policy
 from benchmarks.replay import FleetSpec, PolicySummary, Replay
 from benchmarks.reports import command_line, write_json, write_markdown
 from benchmarks.workloads import Workload, WorkloadError
+from launcher.kv_store import KVStoreServer
 from simulator.profiles import ProfileError, get_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +72,22 @@ _STEPS: list[Step] = []
 _FLEET: FleetSpec | None = None
 _POLICIES: dict[str, Policy] = {}
 _WARMUP: list[float] = [0.0]
+_KV_STORE: list[str | None] = [None]  # --kv-store: the server's address
+
+
+def _run_tasks(
+    tasks: list[tuple[int, str]], jobs: int
+) -> dict[tuple[int, str], tuple[PolicySummary, list[int]]]:
+    results: dict[tuple[int, str], tuple[PolicySummary, list[int]]] = {}
+    if jobs == 1:
+        for task in tasks:
+            i, summary, per_pod = _run_one(task)
+            results[(i, task[1])] = (summary, per_pod)
+    else:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for i, summary, per_pod in pool.imap_unordered(_run_one, tasks):
+                results[(i, summary.policy)] = (summary, per_pod)
+    return results
 
 
 def _run_one(task: tuple[int, str]) -> tuple[int, PolicySummary, list[int]]:
@@ -76,7 +95,14 @@ def _run_one(task: tuple[int, str]) -> tuple[int, PolicySummary, list[int]]:
     step = _STEPS[step_index]
     assert _FLEET is not None
     result = asyncio.run(
-        Replay(step.workload, step.keys, _FLEET, _POLICIES[name].config_yaml, policy=name).run()
+        Replay(
+            step.workload,
+            step.keys,
+            _FLEET,
+            _POLICIES[name].config_yaml,
+            policy=name,
+            kv_store=_KV_STORE[0],
+        ).run()
     )
     return step_index, PolicySummary.of(result, _WARMUP[0]), result.decisions_per_pod
 
@@ -322,6 +348,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="add an EndpointPickerConfig file as a policy",
     )
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    run.add_argument(
+        "--kv-store",
+        action="store_true",
+        help="keep the precise scorers' index in a Redis/Valkey server started for the run "
+        "(launcher.kv_store) instead of in memory: the rows should equal those without it",
+    )
     run.add_argument("--json", type=Path, default=None, dest="json_out")
     run.add_argument(
         "--plot",
@@ -400,16 +432,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _POLICIES.clear()
     _POLICIES.update(policies)
     tasks = [(i, name) for i in range(len(steps)) for name in names]
-    results: dict[tuple[int, str], tuple[PolicySummary, list[int]]] = {}
     jobs = max(1, min(args.jobs, len(tasks)))
-    if jobs == 1:
-        for task in tasks:
-            i, summary, per_pod = _run_one(task)
-            results[(i, task[1])] = (summary, per_pod)
-    else:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for i, summary, per_pod in pool.imap_unordered(_run_one, tasks):
-                results[(i, summary.policy)] = (summary, per_pod)
+    with contextlib.ExitStack() as stack:
+        if args.kv_store:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            _KV_STORE[0] = stack.enter_context(KVStoreServer(work)).address
+        results = _run_tasks(tasks, jobs)
 
     report: dict[str, Any] = {
         "title": title,

@@ -195,6 +195,11 @@ class KVCacheView:
         if self._store is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._store.stop)
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the store has the writes queued so far (benchmarks and tests that need a
+        lookup to see every event applied before it, as the in-memory index always does)."""
+        return self._store.flush(timeout_s) if self._store is not None else True
+
     def endpoint_added(self, endpoint: Endpoint) -> None:
         subscriber = self._subscriber
         if subscriber is None:

@@ -72,6 +72,10 @@ class KVCacheViews:
         for view in self._views.values():
             await view.stop()
 
+    def flush(self) -> bool:
+        """`KVCacheView.flush` for every view."""
+        return all(view.flush() for view in self._views.values())
+
     # -- epp.datastore.EndpointListener --------------------------------------------------------
 
     def endpoint_added(self, endpoint: Endpoint) -> None:

@@ -296,3 +296,29 @@ def test_epp_serve_refuses_to_start_on_an_unreachable_store(
     )
     assert code == 2
     assert "does not answer" in capsys.readouterr().err
+
+
+def test_routing_replays_decide_the_same_with_either_backend(server: KVStoreServer) -> None:
+    # The routing benchmark's replay (simulated pods, real scheduler) with the index in memory
+    # and in the store: every decision and every engine-counted hit the same.
+    from benchmarks import workloads
+    from benchmarks.policies import POLICIES
+    from benchmarks.replay import FleetSpec, Replay
+    from simulator.profiles import TINY_CPU
+
+    fleet = FleetSpec(pods=3, profile=TINY_CPU, capacity_tokens=4096, block_size=16)
+    workload = workloads.multi_turn(
+        rate=4.0, duration=20.0, turns=4, system_prompt_len=400, output_len=40, seed=3
+    )
+    keys = workloads.block_keys(workload.requests, 16)
+    config = POLICIES["default"].config_yaml
+
+    def replay(store: str | None) -> Any:
+        return asyncio.run(
+            Replay(workload, keys, fleet, config, policy="default", kv_store=store).run()
+        )
+
+    in_memory, shared = replay(None), replay(server.address)
+    assert shared.decisions_per_pod == in_memory.decisions_per_pod
+    assert [r.cached_tokens for r in shared.records] == [r.cached_tokens for r in in_memory.records]
+    assert sum(r.cached_tokens for r in shared.records) > 0
