@@ -25,6 +25,7 @@ from epp.scraping import (
     DEFAULT_UNREACHABLE_AFTER,
 )
 from epp.server import ServerOptions, serve
+from kvcache.api import client as kv_client
 from scorers.base import Endpoint, PluginContext
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
@@ -106,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC health port (services: liveness, readiness, the ext_proc service name)",
     )
     s.add_argument("--metrics-port", type=port, default=9090, help="Prometheus /metrics port")
+    s.add_argument(
+        "--kv-cache-grpc-port",
+        type=port,
+        default=None,
+        help="port of the KV-cache gRPC API (protos/kvcache/api/kvcache.proto; `epp kv` is its "
+        "client); off when unset",
+    )
     s.add_argument("--host", default="0.0.0.0", help="address the servers listen on")
     s.add_argument(
         "--config-file", help="EndpointPickerConfig YAML; the built-in default profile when unset"
@@ -257,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("config_file")
+    kv_client.add_parser(sub)
     return parser
 
 
@@ -291,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check-config":
             return check_config(args.config_file)
+        if args.command == "kv":
+            return kv_client.run(args)
         asyncio.run(serve(_options(args)))
         return 0
     except ConfigError as exc:

@@ -94,6 +94,7 @@ class ServerOptions:
     secure_serving: bool = False
     cert_path: str | None = None
     enable_cert_reload: bool = False
+    kv_cache_grpc_port: int | None = None
 
 
 class EndpointPicker:
@@ -142,6 +143,8 @@ class EndpointPicker:
         self.health_server: HealthServer | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.kv_cache_server: grpc.aio.Server | None = None
+        self.kv_cache_port: int | None = None
         self.telemetry.add_source(self._pool_samples)
         self.telemetry.add_source(self._reliability_samples)
         self.telemetry.add_source(self._plugin_samples)
@@ -204,6 +207,13 @@ class EndpointPicker:
             extra_services=(lambda server: add_health_service(server, self.health),),
         )
         await self._start_metrics_server()
+        if opts.kv_cache_grpc_port is not None:
+            from kvcache.api.service import start_kv_cache_server  # stubs only when served
+
+            self.kv_cache_server, self.kv_cache_port = await start_kv_cache_server(
+                self.context.kv_caches, self.executor, opts.host, opts.kv_cache_grpc_port
+            )
+            logger.info("KV-cache gRPC API on :%d", self.kv_cache_port)
         logger.info(
             "endpoint picker serving: ext_proc :%d (%s), health :%d, metrics :%d",
             self.extproc.port,
@@ -223,6 +233,8 @@ class EndpointPicker:
             await self.health_server.stop(grace=1.0)
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
+        if self.kv_cache_server is not None:
+            await self.kv_cache_server.stop(grace=1.0)
         with contextlib.suppress(Exception):
             await self.discovery.stop()
         await self.scraper.stop()

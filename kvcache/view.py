@@ -67,8 +67,8 @@ class ChatPrompt:
 class PrefixLookup:
     """Per endpoint asked about: the leading blocks of a prompt it holds (``blocks``: real or
     predicted; ``weighted``: the same, each block weighted by its best tier), the blocks its
-    own events showed (``indexed``, before predictions), and the tokens of KV it holds in all
-    (``cached_tokens``).  Silent publishers count as holding nothing and are not in
+    own events showed (``indexed``, before predictions), and the blocks and tokens of KV it holds
+    in all (``held_blocks``, ``cached_tokens``).  Silent publishers count as holding nothing and are not in
     ``indexed`` or ``cached_tokens``."""
 
     blocks: dict[str, int]
@@ -77,6 +77,7 @@ class PrefixLookup:
     cached_tokens: dict[str, int]
     computed_tokens: int  # the longest real match, in tokens
     total_blocks: int
+    held_blocks: dict[str, int]  # blocks each trusted endpoint holds in all
 
 
 class KVCacheView:
@@ -321,7 +322,7 @@ class KVCacheView:
         blocks: dict[str, int] = dict.fromkeys(addresses, 0)
         weighted: dict[str, float] = dict.fromkeys(addresses, 0.0)
         if index is None or not keys:
-            return PrefixLookup(blocks, weighted, {}, {}, 0, len(keys))
+            return PrefixLookup(blocks, weighted, {}, {}, 0, len(keys), {})
         trusted = [a for a in addresses if a not in untrusted] if untrusted else list(addresses)
         found = await self._call(executor, index.match, keys, trusted)
         for address, match in found.prefix.items():
@@ -329,7 +330,8 @@ class KVCacheView:
             weighted[address] = match.weighted
         indexed = {a: blocks[a] for a in trusted}
         computed = max(indexed.values(), default=0)
-        cached = {a: found.held_blocks.get(a, 0) * block_size for a in trusted}
+        held = {a: found.held_blocks.get(a, 0) for a in trusted}
+        cached = {a: n * block_size for a, n in held.items()}
         predictions = self.predictions
         if predictions:
             now = self._clock()
@@ -342,7 +344,9 @@ class KVCacheView:
                     # Predicted blocks will be on GPU once the routed prefill runs.
                     weighted[address] += extended - blocks[address]
                     blocks[address] = extended
-        return PrefixLookup(blocks, weighted, indexed, cached, computed * block_size, len(keys))
+        return PrefixLookup(
+            blocks, weighted, indexed, cached, computed * block_size, len(keys), held
+        )
 
     async def _call(self, executor: Executor | None, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``: in ``executor`` when the index answers over the network."""

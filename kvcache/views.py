@@ -56,6 +56,10 @@ class KVCacheViews:
             self._views[key] = view
         return view
 
+    def endpoint_names(self) -> list[str]:
+        """The endpoints the views know now, in the order they came."""
+        return list(self._endpoints)
+
     def __iter__(self) -> Iterator[KVCacheView]:
         return iter(self._views.values())
 

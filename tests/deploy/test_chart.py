@@ -116,6 +116,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
             )
         }
     },
+    "kv-store": {
+        "replicas": 2,
+        "kvStore": {"valkey": {"enabled": True}},
+        "ports": {"kvCacheApi": 9004},
+    },
     "everything": {
         "replicas": 2,
         "inferencePool": {"create": True},
@@ -664,3 +669,40 @@ def test_dashboard_is_shipped_as_a_labelled_config_map(rendered: dict[str, Rende
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}"
             assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def test_a_shared_kv_store_and_the_kv_cache_api_are_wired(
+    rendered: dict[str, Rendered], helm: Helm
+) -> None:
+    r = rendered["kv-store"]
+    params = precise_parameters(r.epp_config_text())
+    assert params is not None
+    assert params["kvBlockIndexConfig"] == {
+        "redisConfig": {
+            "address": f"redis://{RELEASE}-kv-epp-valkey.{NAMESPACE}.svc:6379",
+            "namespace": f"{RELEASE}-kv-epp",
+        }
+    }
+    valkey = r.get("Deployment", f"{RELEASE}-kv-epp-valkey")
+    service = r.get("Service", f"{RELEASE}-kv-epp-valkey")
+    pod_labels = valkey["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels[k] == v for k, v in service["spec"]["selector"].items())
+    assert "--kv-cache-grpc-port=9004" in epp_args(r)
+    ports = {p["name"]: p["port"] for p in r.get("Service", f"{RELEASE}-kv-epp")["spec"]["ports"]}
+    assert ports["kv-cache-api"] == 9004
+    # Off by default: no store, no API port, no Valkey.
+    plain = rendered["vllm-defaults"]
+    assert "kvBlockIndexConfig" not in (precise_parameters(plain.epp_config_text()) or {})
+    assert not any("kv-cache-grpc-port" in a for a in epp_args(plain))
+    assert not [d for d in plain.all("Deployment") if d["metadata"]["name"].endswith("-valkey")]
+    # Your own server instead; both at once is refused.
+    own = helm.template({"kvStore": {"address": "rediss://cache.example:6380", "namespace": "p"}})
+    own_params = precise_parameters(own.epp_config_text()) or {}
+    assert own_params["kvBlockIndexConfig"]["redisConfig"] == {
+        "address": "rediss://cache.example:6380",
+        "namespace": "p",
+    }
+    error = helm.template_error(
+        {"kvStore": {"address": "redis://x:6379", "valkey": {"enabled": True}}}
+    )
+    assert "not both" in error

@@ -448,9 +448,14 @@ async def test_a_replay_that_times_out_is_repaired_by_one_later_replay(
         assert_counts(pool, gaps_unrecovered=0, replays_failed=1)
 
         pod.answer_replays = True  # answers again (the replay socket was replaced meanwhile)
-        await wait_until(lambda: lost in sink.applied("pod-a"), "the repair")
-        applied = sink.applied("pod-a")
-        assert applied[applied.index(lost) :] == list(range(lost, last + 1))
+
+        def repaired() -> bool:
+            # The repair's batches arrive one by one: wait for the whole run, in order, rather
+            # than for its first batch (which a loaded machine shows alone for a while).
+            applied = sink.applied("pod-a")
+            return lost in applied and applied[applied.index(lost) :] == list(range(lost, last + 1))
+
+        await wait_until(repaired, "the repair, every batch from the lost one in order")
         assert_counts(pool, gaps_detected=1, gaps_recovered=1, gaps_unrecovered=0)
 
         # Once a replay got no answer, a later gap goes to the pending repair, not a replay

@@ -133,6 +133,11 @@ Called with (list $ $plugin); returns YAML.
 {{- $_ := set $events "bindAddress" (printf "tcp://*:%d" (int $v.kvEventsPort)) }}
 {{- end }}
 {{- $_ := set $params "kvEvents" $events }}
+{{- $store := include "kv-epp.kvStoreAddress" $root }}
+{{- if $store }}
+{{- $namespace := default (include "kv-epp.fullname" $root) $root.Values.kvStore.namespace }}
+{{- $_ := set $params "kvBlockIndexConfig" (dict "redisConfig" (dict "address" $store "namespace" $namespace)) }}
+{{- end }}
 {{- toYaml $params }}
 {{- end }}
 
@@ -230,6 +235,9 @@ comes from the downward API; the topic is informational (the EPP keys events by 
 - --grpc-port={{ .Values.ports.grpc }}
 - --grpc-health-port={{ .Values.ports.grpcHealth }}
 - --metrics-port={{ .Values.ports.metrics }}
+{{- if .Values.ports.kvCacheApi }}
+- --kv-cache-grpc-port={{ .Values.ports.kvCacheApi }}
+{{- end }}
 {{- if include "kv-epp.usesKVEvents" . }}
 - --kv-events-port={{ $v.kvEventsPort }}
 {{- if $v.kvEventsReplayPort }}
@@ -262,5 +270,20 @@ comes from the downward API; the topic is informational (the EPP keys events by 
 {{- end }}
 {{- range .Values.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The shared KV-block index's address: kvStore.address, or the bundled Valkey's Service; empty for
+the in-memory index.
+*/}}
+{{- define "kv-epp.kvStoreAddress" -}}
+{{- if and .Values.kvStore.address .Values.kvStore.valkey.enabled }}
+{{- fail "kvStore: set address (your own server) or valkey.enabled (the chart's), not both" }}
+{{- end }}
+{{- if .Values.kvStore.valkey.enabled }}
+{{- printf "redis://%s-valkey.%s.svc:6379" (include "kv-epp.fullname" .) .Release.Namespace }}
+{{- else }}
+{{- .Values.kvStore.address }}
 {{- end }}
 {{- end }}
