@@ -352,6 +352,22 @@ class _EndpointFeed:
             self._resync(retry=not first and not retry), f"kv-events-resync:{self.endpoint}"
         )
 
+    def rebuild(self) -> bool:
+        """Drop what the sink holds for the pod and apply its whole replay buffer again: for a
+        sink that lost writes (a shared store that was unreachable).  False when it cannot start
+        now (closed, no replay socket, a replay running, or the replay budget spent); the
+        caller tries again later."""
+        if self._closed or self._dealer is None or self._replay_task is not None:
+            return False
+        if not self._take_replay_token():
+            return False
+        self._clear()
+        self._expected = None  # the resync then applies the buffer from its first seq
+        self.stats.replays_requested += 1
+        self.stats.resyncs += 1
+        self._replay_task = self._spawn(self._resync(), f"kv-events-rebuild:{self.endpoint}")
+        return True
+
     def _retry_resync(self) -> None:
         self._resync_retry = None
         self.connected(first=False, retry=True)

@@ -123,6 +123,12 @@ class _Subscriber:
         feed.connected(first=False)
         return True
 
+    def rebuild(self, endpoint: str) -> bool:
+        """`indexer.endpoint_feed._EndpointFeed.rebuild` for ``endpoint``: its entries dropped
+        and its replay buffer applied again.  False if not registered or not possible now."""
+        feed = self._feeds.get(endpoint)
+        return feed is not None and feed.rebuild()
+
     def remove_endpoint(self, endpoint: str) -> bool:
         """Stop receiving for ``endpoint``: its sockets close and its tasks are cancelled at once
         (`close` waits for them to finish).  The sink is not cleared: the caller owns the

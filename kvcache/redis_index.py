@@ -31,7 +31,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, cast
 
 import valkey
@@ -160,6 +160,11 @@ class RedisStore:
         self.dropped_writes_total = 0
         self.lookup_errors_total = 0
         self.write_errors_total = 0
+        # Endpoints some of whose writes were dropped during an outage, and who is told (from
+        # the thread that sees the store answer again) so their entries can be rebuilt.
+        self._dirty: set[str] = set()
+        self._dirty_lock = threading.Lock()
+        self.on_recovered: Callable[[set[str]], None] | None = None
 
     def check(self) -> None:
         """Raise `KVStoreError` unless the server answers (at start, before SERVING)."""
@@ -233,6 +238,7 @@ class RedisStore:
             pipe.execute()  # type: ignore[no-untyped-call]
         except (valkey.ConnectionError, valkey.TimeoutError) as exc:
             self.dropped_writes_total += len(writes)
+            self._lost(endpoint for _, endpoint, _, _ in writes)
             self._went_down(exc)
             return
         except valkey.ValkeyError as exc:
@@ -256,10 +262,18 @@ class RedisStore:
                 exc,
             )
 
+    def _lost(self, endpoints: Iterable[str]) -> None:
+        with self._dirty_lock:
+            self._dirty.update(endpoints)
+
     def _came_back(self) -> None:
         if not self.up:
             self.up = True
             logger.warning("KV-cache store %s answers again", self.address)
+        with self._dirty_lock:
+            dirty, self._dirty = self._dirty, set()
+        if dirty and self.on_recovered is not None:
+            self.on_recovered(dirty)
 
     def _wait_until_up(self) -> None:
         """Ping until the store answers (or the writer is stopped).  Writes queued while it
@@ -285,6 +299,7 @@ class RedisStore:
                     return
                 else:
                     self.dropped_writes_total += 1
+                    self._lost([cast(_Write, item)[1]])
             time.sleep(_RETRY_S)
 
     # -- reads (the CPU executor) -------------------------------------------------------------

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_REBUILD_ATTEMPTS = 10  # tries of a rebuild whose feed is busy (a replay running), 1 s apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,11 @@ class KVCacheView:
         loop = asyncio.get_running_loop()
         if self._store is not None:
             await loop.run_in_executor(executor, self._store.check)
+
+            def recovered(lost: set[str]) -> None:  # on the store's threads
+                loop.call_soon_threadsafe(self._rebuild, lost)
+
+            self._store.on_recovered = recovered
             self._store.start()
         for model in self.settings.tokenizers or (["*"] if self.settings.tokenizer else []):
             try:
@@ -195,6 +201,24 @@ class KVCacheView:
             self._subscriber = None
         if self._store is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._store.stop)
+
+    def _rebuild(self, endpoints: set[str], attempt: int = 0) -> None:
+        """The store lost writes of ``endpoints`` during an outage: drop their entries and
+        apply each pod's replay buffer again (what the buffer still holds comes back; a pod
+        whose buffer has moved past the outage is complete again only with its next events).
+        Endpoints whose feed is busy are tried again, a few times, a second apart."""
+        subscriber = self._subscriber
+        if subscriber is None:
+            return
+        pending = {e for e in endpoints if not subscriber.rebuild(e)}
+        if endpoints - pending:
+            logger.warning(
+                "KV-cache store lost writes of %d endpoint(s) while unreachable: rebuilding "
+                "their entries from the pods' replay buffers",
+                len(endpoints - pending),
+            )
+        if pending and attempt < _REBUILD_ATTEMPTS:
+            asyncio.get_running_loop().call_later(1.0, self._rebuild, pending, attempt + 1)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until the store has the writes queued so far (benchmarks and tests that need a

@@ -322,3 +322,78 @@ def test_routing_replays_decide_the_same_with_either_backend(server: KVStoreServ
     assert shared.decisions_per_pod == in_memory.decisions_per_pod
     assert [r.cached_tokens for r in shared.records] == [r.cached_tokens for r in in_memory.records]
     assert sum(r.cached_tokens for r in shared.records) > 0
+
+
+async def test_after_an_outage_the_store_is_rebuilt_from_the_pods_replay_buffers(
+    server: KVStoreServer,
+) -> None:
+    # A view on the store, subscribed to a pod publishing real KV-event frames with a replay
+    # buffer.  The store dies and comes back empty; what the pod published before and during
+    # the outage is back in the store from the pod's buffer, without a new event.
+    import zmq.asyncio
+
+    from indexer.events import encode_batch
+    from tests.indexer.test_subscriber import FakeVLLMPod
+
+    settings = {
+        "blockSize": BLOCK,
+        "selfCheck": False,
+        "kvBlockIndexConfig": {"redisConfig": {"address": server.address, "namespace": "rb"}},
+    }
+    plugin = _plugin(settings)
+    view = plugin.view
+    context = zmq.asyncio.Context()
+    pod = FakeVLLMPod(context)
+    prompts = [[i * 1000 + t for t in range(BLOCK * 6)] for i in range(3)]
+    keys = [block_hashes(p, block_size=BLOCK, algo="sha256") for p in prompts]
+    address = PODS[0]
+
+    async def holds(prompt: int) -> bool:
+        assert view.flush()
+        found = await view.lookup(keys[prompt], [address])
+        return found.blocks[address] == 6
+
+    async def wait_for(condition: Any, what: str, timeout: float = 15.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await condition():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    views = plugin.context.kv_caches
+    try:
+        await views.start()
+        endpoint = Endpoint(address=address, kv_events_url=pod.pub_url, replay_url=pod.replay_url)
+        views.endpoint_added(endpoint)
+
+        async def publish(prompt: int) -> None:
+            batch = KVEventBatch(ts=0.0, events=(_stored(prompts[prompt]),))
+            await pod.publish(payload=encode_batch(batch))
+
+        async def first_held() -> bool:
+            await publish(0)  # until the subscription is live (PUB/SUB's slow joiner)
+            return await holds(0)
+
+        await wait_for(first_held, "the first prompt in the store")
+        server.kill()
+        await publish(1)  # published while the store is down
+        store = view._store
+        assert store is not None
+        await wait_for(lambda: _true(not store.up), "the outage to be noticed")
+        server.start()  # empty, as a restarted server without persistence
+        await publish(2)
+
+        async def all_held() -> bool:
+            return all([await holds(0), await holds(1), await holds(2)])
+
+        # Prompt 0 was only ever in the old server; without the rebuild it never comes back.
+        await wait_for(all_held, "every prompt back in the restarted store")
+        assert store.dropped_writes_total >= 1 and store.outages_total == 1
+    finally:
+        await views.stop()
+        await pod.close()
+        context.destroy(linger=0)
+
+
+async def _true(value: bool) -> bool:
+    return value
