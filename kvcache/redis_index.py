@@ -26,6 +26,7 @@ cache size; give the server memory for it (``benchmarks.kvstore`` measures the b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import struct
@@ -120,6 +121,16 @@ redis.call('UNLINK', held)
 return count
 """
 
+# Renew a replica's lease, drop expired ones, return the live replicas (the server's clock).
+_RENEW: Final = """
+local replicas, id, lease = ARGV[1] .. ':replicas', ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', replicas, now + lease, id)
+redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
+return redis.call('ZRANGE', replicas, 0, -1)
+"""
+
 _ADDRESS_SCHEMES: Final = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
 
 
@@ -152,6 +163,7 @@ class RedisStore:
         self._store = self._client.register_script(_STORE)
         self._remove = self._client.register_script(_REMOVE)
         self._clear = self._client.register_script(_CLEAR)
+        self._renew = self._client.register_script(_RENEW)
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self.up = True
@@ -301,6 +313,24 @@ class RedisStore:
                     self.dropped_writes_total += 1
                     self._lost([cast(_Write, item)[1]])
             time.sleep(_RETRY_S)
+
+    # -- replicas' leases (kvcache.ownership) --------------------------------------------------
+
+    def renew(self, replica: str, lease_s: float) -> list[str] | None:
+        """Renew ``replica``'s lease; the replicas whose leases are live, or None when the store
+        does not answer."""
+        try:
+            live = self._renew(args=[self.namespace, replica, int(lease_s * 1000)])
+        except valkey.ValkeyError as exc:
+            self._went_down(exc)
+            return None
+        self._came_back()
+        return [name.decode() if isinstance(name, bytes) else str(name) for name in live]
+
+    def leave(self, replica: str) -> None:
+        """Give the lease up (a clean stop): the others take its streams at their next renewal."""
+        with contextlib.suppress(valkey.ValkeyError):  # unreachable: the lease expires anyway
+            self._client.zrem(f"{self.namespace}:replicas", replica)
 
     # -- reads (the CPU executor) -------------------------------------------------------------
 

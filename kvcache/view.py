@@ -39,6 +39,7 @@ from indexer.subscriber import CentralSubscriber, SubscriberPool
 from indexer.subscriber_config import SubscriberConfig, SubscriberStats
 from indexer.tokenization import PromptTokenizer, TokenizerRegistry
 from kvcache.backend import IndexBackend, build_backend
+from kvcache.ownership import StreamOwnership
 from kvcache.predictions import PredictedBlocks
 from kvcache.settings import KVCacheSettings
 from kvcache.silent import SilentPublishers
@@ -108,6 +109,8 @@ class KVCacheView:
             self._store = RedisStore(redis.address, redis.namespace)
         self._subscriber: SubscriberPool | CentralSubscriber | None = None
         self._pending: dict[str, Endpoint] = {}  # endpoints added before start()
+        # With a shared store: which pods' streams this replica ingests.
+        self._ownership: StreamOwnership | None = None
         self._warned: set[str] = set()
         self.predictions = PredictedBlocks(s.speculativeTTL)
         timeout = s.silentPublisherTimeout
@@ -191,11 +194,20 @@ class KVCacheView:
             self._subscriber = CentralSubscriber(self, events.bindAddress, config)
         else:
             self._subscriber = SubscriberPool(self, config)
+            redis = self.settings.kvBlockIndexConfig.redisConfig
+            if self._store is not None and redis is not None:
+                self._ownership = StreamOwnership(
+                    self._store, redis.leaseSeconds, self._subscribe, self._unsubscribe
+                )
+                await self._ownership.start(executor)
         pending, self._pending = self._pending, {}
         for endpoint in pending.values():
             self.endpoint_added(endpoint)
 
     async def stop(self) -> None:
+        if self._ownership is not None:
+            await self._ownership.stop()
+            self._ownership = None
         if self._subscriber is not None:
             await self._subscriber.close()
             self._subscriber = None
@@ -226,17 +238,31 @@ class KVCacheView:
         return self._store.flush(timeout_s) if self._store is not None else True
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
+        if self._subscriber is None:
+            self._pending[endpoint.address] = endpoint
+        elif self._ownership is not None:
+            self._ownership.endpoint_added(endpoint)  # subscribes if this replica owns it
+        else:
+            self._subscribe(endpoint)
+
+    def _subscribe(self, endpoint: Endpoint) -> None:
         subscriber = self._subscriber
         if subscriber is None:
-            self._pending[endpoint.address] = endpoint
             return
         if isinstance(subscriber, CentralSubscriber):
             subscriber.add_endpoint(endpoint.address, endpoint.replay_url)
         elif endpoint.kv_events_url:
             subscriber.add_endpoint(endpoint.address, endpoint.kv_events_url, endpoint.replay_url)
 
+    def _unsubscribe(self, address: str) -> None:
+        """Another replica owns the pod's stream now: stop ingesting it (its entries stay)."""
+        if self._subscriber is not None:
+            self._subscriber.remove_endpoint(address)
+
     def endpoint_removed(self, endpoint: Endpoint) -> None:
         self._pending.pop(endpoint.address, None)
+        if self._ownership is not None:
+            self._ownership.endpoint_removed(endpoint.address)
         if self._subscriber is not None:
             self._subscriber.remove_endpoint(endpoint.address)
         if self.index is not None:

@@ -397,3 +397,109 @@ async def test_after_an_outage_the_store_is_rebuilt_from_the_pods_replay_buffers
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_replicas_share_the_streams_and_take_over_a_dead_ones(
+    server: KVStoreServer,
+) -> None:
+    # Two replicas on one store, eight pods publishing real KV-event frames: each pod's stream
+    # is ingested by exactly one replica, both read everything; one replica dies without
+    # leaving (its lease lapses) and the other takes its pods over, catching up from their
+    # replay buffers, so the events published meanwhile are not lost.
+    import time
+
+    import zmq.asyncio
+
+    from indexer.events import encode_batch
+    from tests.indexer.test_subscriber import FakeVLLMPod
+
+    settings = {
+        "blockSize": BLOCK,
+        "selfCheck": False,
+        "kvBlockIndexConfig": {
+            "redisConfig": {"address": server.address, "namespace": "own", "leaseSeconds": 1.0}
+        },
+    }
+    replicas = [_plugin(settings), _plugin(settings)]
+    context = zmq.asyncio.Context()
+    pods = [FakeVLLMPod(context) for _ in range(8)]
+    names = [f"10.0.1.{i}:8000" for i in range(8)]
+
+    def prompt(pod: int, round_: int) -> list[int]:
+        return [100_000 * round_ + 1000 * pod + t for t in range(BLOCK * 4)]
+
+    async def publish(round_: int) -> None:
+        for i, pod in enumerate(pods):
+            batch = KVEventBatch(ts=0.0, events=(_stored(prompt(i, round_)),))
+            await pod.publish(payload=encode_batch(batch))
+
+    async def all_held(plugin: PrecisePrefixCacheScorer, round_: int) -> bool:
+        view = plugin.view
+        assert view.flush()
+        for i, name in enumerate(names):
+            keys = block_hashes(prompt(i, round_), block_size=BLOCK, algo="sha256")
+            if (await view.lookup(keys, [name])).blocks[name] != 4:
+                return False
+        return True
+
+    async def wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await condition():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            await publish_round_if_needed()
+            await asyncio.sleep(0.05)
+
+    republish = [True]
+
+    async def publish_round_if_needed() -> None:
+        if republish[0]:
+            await publish(0)  # PUB/SUB's slow joiner: publish until delivered
+
+    def ownership(plugin: PrecisePrefixCacheScorer) -> set[str]:
+        owned = plugin.view._ownership
+        assert owned is not None
+        return set(owned.owned)
+
+    try:
+        for plugin in replicas:
+            await plugin.context.kv_caches.start()
+        for plugin in replicas:
+            for name, pod in zip(names, pods, strict=True):
+                plugin.context.kv_caches.endpoint_added(
+                    Endpoint(address=name, kv_events_url=pod.pub_url, replay_url=pod.replay_url)
+                )
+
+        async def shared_out() -> bool:
+            a, b = ownership(replicas[0]), ownership(replicas[1])
+            return not a & b and a | b == set(names)
+
+        await wait_for(shared_out, "the pods shared out between the replicas")
+        for plugin in replicas:  # both read every pod's entries, whoever wrote them
+            await wait_for(lambda p=plugin: all_held(p, 0), "round 0 in the store")
+
+        # Replica 0 dies: its renewals and sockets stop, its lease is left to lapse.
+        dead = replicas[0].view
+        assert dead._ownership is not None and dead._ownership._task is not None
+        dead._ownership._task.cancel()
+        assert dead._subscriber is not None
+        await dead._subscriber.close()
+        dead._subscriber = None
+        died = time.monotonic()
+        republish[0] = False
+        # Published once, while its pods have no ingesting replica: only the survivor's
+        # catch-up from the pods' replay buffers can bring these into the store.
+        await publish(1)
+        await wait_for(
+            lambda: _true(ownership(replicas[1]) == set(names)), "the survivor to own every pod"
+        )
+        failover = time.monotonic() - died
+        await wait_for(lambda: all_held(replicas[1], 1), "round 1 of every pod in the store")
+        assert failover < 1.0 + 1.0, f"failover took {failover:.2f} s"
+        assert await all_held(replicas[1], 0)
+    finally:
+        for plugin in replicas:
+            await plugin.context.kv_caches.stop()
+        for pod in pods:
+            await pod.close()
+        context.destroy(linger=0)

@@ -1,0 +1,127 @@
+"""Which pods' KV-event streams this EPP replica ingests, when replicas share a store.
+
+With a shared index (``kvBlockIndexConfig.redisConfig``) every replica reads everything, but
+each pod's events need to be written by one replica only: ingestion then grows with replicas
+instead of costing each of them the whole fleet's stream.  Replicas hold leases in the store (a
+sorted set of replica → expiry, renewed every third of ``leaseSeconds``, timed by the server's
+clock); a pod's stream belongs to the live replica that ranks first for it by rendezvous
+hashing, which every replica computes alike from the same live set.  When a replica dies its
+lease expires and its pods move to the others within ``leaseSeconds`` plus one renewal; the new
+owner subscribes, and its first contact fetches the pod's replay buffer from seq 0, so the
+events published meanwhile are applied (writes are idempotent: re-applying what was written
+changes nothing).  A replica that stops cleanly leaves at once.  While the store does not answer,
+a replica keeps the streams it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.redis_index import RedisStore
+    from scorers.base import Endpoint
+
+logger = logging.getLogger(__name__)
+
+
+def replica_name() -> str:
+    """This process's name among the replicas: the pod's name (``POD_NAME``, set by the chart)
+    or the host's, with the process id and a random suffix (a restarted process is a new
+    replica)."""
+    base = os.environ.get("POD_NAME") or socket.gethostname()
+    return f"{base}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def owner(endpoint: str, replicas: Iterable[str]) -> str | None:
+    """The replica that ingests ``endpoint``'s events: rendezvous hashing, so a replica joining
+    or leaving moves only the pods it gains or held."""
+
+    def rank(replica: str) -> bytes:
+        return hashlib.blake2b(f"{replica}\0{endpoint}".encode(), digest_size=8).digest()
+
+    return max(replicas, key=rank, default=None)
+
+
+class StreamOwnership:
+    """Keeps this replica's lease and subscribes to exactly the pods it owns."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        lease_s: float,
+        subscribe: Callable[[Endpoint], None],
+        unsubscribe: Callable[[str], None],
+        *,
+        replica: str | None = None,
+    ) -> None:
+        self.store = store
+        self.replica = replica or replica_name()
+        self.lease_s = lease_s
+        self._subscribe = subscribe
+        self._unsubscribe = unsubscribe
+        self._known: dict[str, Endpoint] = {}
+        self.owned: set[str] = set()
+        self.live: list[str] = [self.replica]
+        self._task: asyncio.Task[None] | None = None
+        self._executor: Executor | None = None
+        self.moves_total = 0
+
+    async def start(self, executor: Executor | None) -> None:
+        """Take the lease (before SERVING, so the first streams are already shared out), then
+        keep it."""
+        self._executor = executor
+        await self._renew()
+        self._task = asyncio.get_running_loop().create_task(self._keep(), name="kv-lease")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.store.leave, self.replica
+        )
+
+    def endpoint_added(self, endpoint: Endpoint) -> None:
+        self._known[endpoint.address] = endpoint
+        self._reassign()
+
+    def endpoint_removed(self, address: str) -> None:
+        self._known.pop(address, None)
+        self.owned.discard(address)
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self._renew()
+
+    async def _renew(self) -> None:
+        live = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.store.renew, self.replica, self.lease_s
+        )
+        if live is None:
+            return  # the store does not answer: keep the streams this replica has
+        if self.replica not in live:
+            live.append(self.replica)
+        if sorted(live) != sorted(self.live):
+            logger.info("KV-event replicas now: %s (this one: %s)", ", ".join(live), self.replica)
+        self.live = live
+        self._reassign()
+
+    def _reassign(self) -> None:
+        mine = {a for a in self._known if owner(a, self.live) == self.replica}
+        for address in sorted(mine - self.owned):
+            self._subscribe(self._known[address])
+            self.moves_total += 1
+        for address in sorted(self.owned - mine):
+            self._unsubscribe(address)
+            self.moves_total += 1
+        self.owned = mine
