@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
+from epp.gauges import GaugeSample
+
 if TYPE_CHECKING:
     from kvcache.redis_index import RedisStore
     from scorers.base import Endpoint
@@ -125,3 +127,22 @@ class StreamOwnership:
             self._unsubscribe(address)
             self.moves_total += 1
         self.owned = mine
+
+    def telemetry_samples(self) -> Iterable[GaugeSample]:
+        yield GaugeSample(
+            "inference_extension_kv_replicas_live",
+            "EPP replicas holding a live lease on the shared KV-cache store.",
+            len(self.live),
+        )
+        yield GaugeSample(
+            "inference_extension_kv_stream_moves",
+            "KV-event streams this replica took over or handed over (cumulative).",
+            self.moves_total,
+        )
+        for address in self._known:
+            yield GaugeSample(
+                "inference_extension_kv_stream_owned",
+                "1 while this replica ingests the endpoint's KV events into the shared store.",
+                1.0 if address in self.owned else 0.0,
+                (("endpoint", address),),
+            )

@@ -62,10 +62,11 @@ class RedisIndexSettings(BaseModel):
     """Which server it is (both speak the same protocol; informational, as in llm-d)."""
     namespace: str = Field(default="kv-epp", min_length=1, pattern=r"^[^\s:]+$")
     """Prefix of every key this EPP writes, so several pools can share one server."""
-    leaseSeconds: float = Field(default=5.0, ge=0.5, le=300)
+    leaseSeconds: float = Field(default=3.0, ge=0.5, le=300)
     """Replicas on one store share the pods' event streams (`kvcache.ownership`): a replica
-    that stops renewing its lease for this long loses its pods to the others.  Shorter moves
-    them sooner, at the cost of a renewal every third of it."""
+    that stops renewing its lease for this long loses its pods to the others, within this plus
+    one renewal (a third of it): 3 s gives a failover under 5 s.  Shorter moves them sooner, at
+    the cost of more renewals; too short for the store's latency and live replicas flap."""
 
 
 class KVBlockIndexSettings(BaseModel):

@@ -507,6 +507,9 @@ class KVCacheView:
         index = self.index
         if index is not None:
             yield from index.telemetry_samples()
+        ownership = self._ownership
+        if ownership is not None:
+            yield from ownership.telemetry_samples()
         subscriber = self._subscriber
         if subscriber is not None:
             stats = subscriber.stats

@@ -1,0 +1,121 @@
+"""Three ``epp serve`` replicas on one real Redis server, four simulated vLLM pods publishing
+real KV events: every pod's stream is ingested by exactly one replica, and when the owner of a
+pod is SIGKILLed, another takes the pod over and catches up from its replay buffer, so a prompt
+the pod cached right after the kill reaches the shared index."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import valkey
+
+from indexer.hashing import block_hashes
+from launcher.configs import equal_weights_config
+from launcher.kv_store import KVStoreServer
+from launcher.observe import metric, scrape
+from launcher.stack import MODEL, Stack
+
+LEASE_S = 1.0
+NAMESPACE = "e2e"
+
+
+def _owned(stack: Stack, replica: int) -> set[str]:
+    text = scrape(stack.replicas[replica].metrics_url)
+    return {
+        pod.address
+        for pod in stack.pods
+        if metric(text, "inference_extension_kv_stream_owned", endpoint=pod.address) == 1.0
+    }
+
+
+def _cache(pod_address: str, ids: list[int]) -> None:
+    """A completions request with token ids straight to the pod (no EPP): it caches them."""
+    body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://{pod_address}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def _held(client: valkey.Valkey, pod_address: str, ids: list[int]) -> bool:
+    keys = block_hashes(ids, block_size=16, algo="sha256")
+    fields = [k.to_bytes(8, "big") for k in keys]
+    values = client.hmget(f"{NAMESPACE}:e:{pod_address}", fields)  # type: ignore[arg-type]
+    return all(v is not None for v in values)
+
+
+def _wait(condition: object, what: str, timeout: float = 30.0) -> float:
+    started = time.monotonic()
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_replicas_share_the_pods_and_survive_a_killed_owner(
+    tmp_path: Path, llama3_tokenizer_dir: Path
+) -> None:
+    with KVStoreServer(tmp_path) as server:
+        config = equal_weights_config(
+            llama3_tokenizer_dir,
+            blockSize=16,
+            kvBlockIndexConfig={
+                "redisConfig": {
+                    "address": server.address,
+                    "namespace": NAMESPACE,
+                    "leaseSeconds": LEASE_S,
+                }
+            },
+        )
+        client = valkey.Valkey.from_url(server.address)
+        with Stack.start(
+            tmp_path, llama3_tokenizer_dir, pods=4, replicas=3, config=config
+        ) as stack:
+            pods = {pod.address for pod in stack.pods}
+
+            def shared_out() -> bool:
+                owned = [_owned(stack, r) for r in range(3)]
+                return (
+                    all(not owned[a] & owned[b] for a in range(3) for b in range(a + 1, 3))
+                    and set().union(*owned) == pods
+                )
+
+            _wait(shared_out, "every pod owned by exactly one replica")
+            for i, pod in enumerate(stack.pods):
+                ids = [10_000 * (i + 1) + t for t in range(64)]
+                _cache(pod.address, ids)
+                _wait(lambda a=pod.address, p=ids: _held(client, a, p), f"pod {i}'s prompt")
+
+            victim = next(r for r in range(3) if _owned(stack, r))
+            orphans = sorted(_owned(stack, victim))
+            proc = stack.replicas[victim].proc
+            assert proc is not None
+            proc.kill()  # SIGKILL: no clean hand-over, the lease has to lapse
+            proc.wait(10)
+            killed = time.monotonic()
+            # Cached while no replica ingests these pods' events.
+            late = [[90_000 + 1_000 * n + t for t in range(64)] for n in range(len(orphans))]
+            for address, ids in zip(orphans, late, strict=True):
+                _cache(address, ids)
+            survivors = [r for r in range(3) if r != victim]
+
+            def taken_over() -> bool:
+                return set().union(*(_owned(stack, r) for r in survivors)) == pods
+
+            _wait(taken_over, "the killed replica's pods owned by the survivors")
+            failover = time.monotonic() - killed
+            for address, ids in zip(orphans, late, strict=True):
+                _wait(lambda a=address, p=ids: _held(client, a, p), "the late prompts")
+            caught_up = time.monotonic() - killed
+            print(f"failover {failover:.2f} s, late prompts in the store after {caught_up:.2f} s")
+            assert failover < 5.0 and caught_up < 10.0, (failover, caught_up)
+            live = [m.decode() for m in client.zrange(f"{NAMESPACE}:replicas", 0, -1)]  # type: ignore[union-attr]
+            assert len(live) == 2, live
+        client.close()
