@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import resource
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, Self
 
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # After an unexpected socket error, wait this long before receiving again (no busy loop).
 _ERROR_BACKOFF_S: Final = 0.1
+# Open files a fleet of ~1,300 pods needs (a SUB and a replay DEALER each, a few descriptors per
+# socket); below it, a warning says how many pods the limit allows.
+_NOFILE_WANTED: Final = 8_192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +72,32 @@ def _open_sub(context: zmq.asyncio.Context, config: SubscriberConfig) -> zmq.asy
 # The two topologies.
 
 
+def _large_context() -> zmq.asyncio.Context:
+    """A ZMQ context for a SUB and a replay DEALER per pod, whatever the fleet's size.  libzmq
+    allows 1,023 sockets per context and a process is usually started with 1,024 open files, so
+    a 1,000-pod fleet failed with "Too many open files".  The process's soft limit is raised to
+    its hard limit (as the Go runtime does for every program; containers grant a large hard
+    limit), and the context allows as many sockets as a third of it (each socket also holds a
+    few descriptors of its own)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, _NOFILE_WANTED)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, max(1023, soft // 3))
+    if soft < _NOFILE_WANTED:
+        log.warning(
+            "this process may open only %d files (ulimit -n): KV-event subscriptions fail past "
+            "about %d pods; raise the limit for larger fleets",
+            soft,
+            soft // 6,
+        )
+    return context
+
+
 class _Subscriber:
     """What both topologies share: the endpoints' feeds, their tasks, stats and shutdown."""
 
@@ -80,7 +110,7 @@ class _Subscriber:
         self._sink = sink
         self._config = config or SubscriberConfig()
         self._owns_context = context is None
-        self._context = zmq.asyncio.Context() if context is None else context
+        self._context = _large_context() if context is None else context
         self._feeds: dict[str, _EndpointFeed] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # Counts of removed endpoints and of messages no endpoint owns, kept for the totals.

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -72,25 +73,40 @@ class StreamOwnership:
         self._known: dict[str, Endpoint] = {}
         self.owned: set[str] = set()
         self.live: list[str] = [self.replica]
-        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._executor: Executor | None = None
         self.moves_total = 0
 
     async def start(self, executor: Executor | None) -> None:
         """Take the lease (before SERVING, so the first streams are already shared out), then
-        keep it."""
+        keep it from a thread of its own: an event loop busy with a flood of events must not
+        let the lease lapse and the streams flap between replicas."""
+        loop = asyncio.get_running_loop()
         self._executor = executor
-        await self._renew()
-        self._task = asyncio.get_running_loop().create_task(self._keep(), name="kv-lease")
+        self._apply(await loop.run_in_executor(executor, self._renew_once))
+        self._stopping.clear()
+        self._thread = threading.Thread(
+            target=self._keep, args=(loop,), name="kv-lease", daemon=True
+        )
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.store.leave, self.replica
-        )
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        loop = asyncio.get_running_loop()
+        if thread is not None:
+            await loop.run_in_executor(self._executor, thread.join, 5.0)
+        await loop.run_in_executor(self._executor, self.store.leave, self.replica)
+
+    def _keep(self, loop: asyncio.AbstractEventLoop) -> None:
+        while not self._stopping.wait(self.lease_s / 3):
+            live = self._renew_once()
+            if live is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._apply, live)
+
+    def _renew_once(self) -> list[str] | None:
+        return self.store.renew(self.replica, self.lease_s)
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
         self._known[endpoint.address] = endpoint
@@ -100,15 +116,8 @@ class StreamOwnership:
         self._known.pop(address, None)
         self.owned.discard(address)
 
-    async def _keep(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
-            await self._renew()
-
-    async def _renew(self) -> None:
-        live = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.store.renew, self.replica, self.lease_s
-        )
+    def _apply(self, live: list[str] | None) -> None:
+        """A renewal's answer (on the event loop): the streams follow the live replicas."""
         if live is None:
             return  # the store does not answer: keep the streams this replica has
         if self.replica not in live:

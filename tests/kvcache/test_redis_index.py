@@ -480,8 +480,8 @@ async def test_replicas_share_the_streams_and_take_over_a_dead_ones(
 
         # Replica 0 dies: its renewals and sockets stop, its lease is left to lapse.
         dead = replicas[0].view
-        assert dead._ownership is not None and dead._ownership._task is not None
-        dead._ownership._task.cancel()
+        assert dead._ownership is not None and dead._ownership._thread is not None
+        dead._ownership._stopping.set()  # renewals stop; the lease is not given up
         assert dead._subscriber is not None
         await dead._subscriber.close()
         dead._subscriber = None
