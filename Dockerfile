@@ -16,6 +16,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY epp ./epp
 COPY indexer ./indexer
+COPY kvcache ./kvcache
 COPY scorers ./scorers
 RUN /opt/epp/bin/pip install . \
  && /opt/epp/bin/pip uninstall --yes pip \
