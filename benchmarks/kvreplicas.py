@@ -28,30 +28,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kvstore import BLOCK, stored_batch
 from benchmarks.reports import command_line, write_json
-from indexer.events import BlockStored, KVEventBatch, encode_batch
-from indexer.hashing import block_hashes
+from indexer.events import encode_batch
 from launcher.kv_store import KVStoreServer
 
-BLOCK = 16
 BLOCKS_PER_BATCH = 32
 
 
 def _payloads(count: int) -> list[bytes]:
     rng = random.Random(1)
-    out = []
-    for _ in range(count):
-        tokens = [rng.randrange(100_000) for _ in range(BLOCK * BLOCKS_PER_BATCH)]
-        keys = block_hashes(tokens, block_size=BLOCK, algo="sha256")
-        event = BlockStored(
-            block_hashes=tuple(keys),
-            parent_block_hash=None,
-            token_ids=tuple(tokens),
-            block_size=BLOCK,
-            medium="GPU",
+    return [
+        encode_batch(
+            stored_batch([rng.randrange(100_000) for _ in range(BLOCK * BLOCKS_PER_BATCH)])[1]
         )
-        out.append(encode_batch(KVEventBatch(ts=0.0, events=(event,))))
-    return out
+        for _ in range(count)
+    ]
 
 
 def _publisher(pods: int, urls: Any, stop: Any) -> None:

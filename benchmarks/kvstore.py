@@ -38,7 +38,9 @@ from launcher.kv_store import KVStoreServer
 BLOCK = 16
 
 
-def _batch(tokens: list[int]) -> tuple[list[int], KVEventBatch]:
+def stored_batch(tokens: list[int]) -> tuple[list[int], KVEventBatch]:
+    """The block keys of ``tokens`` and the batch a pod (block size 16, ``sha256``) publishes
+    when it caches them."""
     keys = block_hashes(tokens, block_size=BLOCK, algo="sha256")
     event = BlockStored(
         block_hashes=tuple(keys),
@@ -62,7 +64,7 @@ def lookups(backend: IndexBackend, endpoints: list[str], count: int) -> dict[str
     rng = random.Random(3)
     out: dict[str, Any] = {}
     for tokens in (2048, 8192, 32768):
-        keys, batch = _batch([rng.randrange(100_000) for _ in range(tokens)])
+        keys, batch = stored_batch([rng.randrange(100_000) for _ in range(tokens)])
         for holder in endpoints[:4]:
             backend.apply(holder, batch)
         flush(backend)
@@ -84,7 +86,9 @@ def flush(backend: IndexBackend) -> None:
 def ingestion(backend: IndexBackend, endpoints: list[str]) -> float:
     """Block events per second: 2,000 batches of 32 blocks spread over the endpoints."""
     rng = random.Random(5)
-    batches = [_batch([rng.randrange(100_000) for _ in range(32 * BLOCK)])[1] for _ in range(2000)]
+    batches = [
+        stored_batch([rng.randrange(100_000) for _ in range(32 * BLOCK)])[1] for _ in range(2000)
+    ]
     start = time.perf_counter()
     for i, batch in enumerate(batches):
         backend.apply(endpoints[i % len(endpoints)], batch)
@@ -107,7 +111,7 @@ def store_memory_per_entry(server: KVStoreServer, endpoints: list[str]) -> float
         rng = random.Random(9)
         entries = 0
         for i in range(500):
-            batch = _batch([rng.randrange(100_000) for _ in range(64 * BLOCK)])[1]
+            batch = stored_batch([rng.randrange(100_000) for _ in range(64 * BLOCK)])[1]
             for holder in (endpoints[i % len(endpoints)], endpoints[(i + 1) % len(endpoints)]):
                 index.apply(holder, batch)
                 entries += 64

@@ -75,28 +75,27 @@ class MemoryIndex(KVBlockIndex):
         )
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
-        index = self
         yield GaugeSample(
             "inference_extension_kv_index_entries",
-            "(block, endpoint) entries in the precise KV-block index.",
-            index.entries,
+            "(block, endpoint) entries in the precise KV-block self.",
+            self.entries,
         )
         yield GaugeSample(
             "inference_extension_prefix_indexer_size",
-            "Distinct block keys in the precise KV-block index.",
-            index.blocks,
+            "Distinct block keys in the precise KV-block self.",
+            self.blocks,
         )
         yield GaugeSample(
             "inference_extension_kv_index_evictions",
             "Index entries evicted because maxIndexEntries was reached (cumulative).",
-            index.evictions_total,
+            self.evictions_total,
         )
-        yield from mismatch_samples(index.mismatches)
-        for address in index.endpoints():
+        yield from mismatch_samples(self.mismatches)
+        for address in self.endpoints():
             yield GaugeSample(
                 "inference_extension_kv_index_endpoint_entries",
                 "(block, endpoint) entries the precise KV-block index holds per endpoint.",
-                index.endpoint_stats(address).blocks,
+                self.endpoint_stats(address).blocks,
                 (("endpoint", address),),
             )
 

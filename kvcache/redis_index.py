@@ -279,6 +279,9 @@ class RedisStore:
             self._dirty.update(endpoints)
 
     def _came_back(self) -> None:
+        """The store answered (after every write and lookup: nothing to do unless it had not)."""
+        if self.up and not self._dirty:
+            return
         if not self.up:
             self.up = True
             logger.warning("KV-cache store %s answers again", self.address)

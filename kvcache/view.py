@@ -69,17 +69,15 @@ class ChatPrompt:
 class PrefixLookup:
     """Per endpoint asked about: the leading blocks of a prompt it holds (``blocks``: real or
     predicted; ``weighted``: the same, each block weighted by its best tier), the blocks its
-    own events showed (``indexed``, before predictions), and the blocks and tokens of KV it holds
-    in all (``held_blocks``, ``cached_tokens``).  Silent publishers count as holding nothing and are not in
-    ``indexed`` or ``cached_tokens``."""
+    own events showed (``indexed``, before predictions) and the blocks it holds in all
+    (``held_blocks``).  Silent publishers count as holding nothing and are in neither
+    ``indexed`` nor ``held_blocks``."""
 
     blocks: dict[str, int]
     weighted: dict[str, float]
     indexed: dict[str, int]
-    cached_tokens: dict[str, int]
-    computed_tokens: int  # the longest real match, in tokens
+    held_blocks: dict[str, int]
     total_blocks: int
-    held_blocks: dict[str, int]  # blocks each trusted endpoint holds in all
 
 
 class KVCacheView:
@@ -367,21 +365,18 @@ class KVCacheView:
         """What each of ``addresses`` holds of the prompt whose block keys are ``keys``.  A
         store's lookups run in ``executor``, off the event loop."""
         untrusted = self._silent_now()
-        block_size = self._block_size or 0
         index = self.index
         blocks: dict[str, int] = dict.fromkeys(addresses, 0)
         weighted: dict[str, float] = dict.fromkeys(addresses, 0.0)
         if index is None or not keys:
-            return PrefixLookup(blocks, weighted, {}, {}, 0, len(keys), {})
+            return PrefixLookup(blocks, weighted, {}, {}, len(keys))
         trusted = [a for a in addresses if a not in untrusted] if untrusted else list(addresses)
         found = await self._call(executor, index.match, keys, trusted)
         for address, match in found.prefix.items():
             blocks[address] = match.blocks
             weighted[address] = match.weighted
         indexed = {a: blocks[a] for a in trusted}
-        computed = max(indexed.values(), default=0)
         held = {a: found.held_blocks.get(a, 0) for a in trusted}
-        cached = {a: n * block_size for a, n in held.items()}
         predictions = self.predictions
         if predictions:
             now = self._clock()
@@ -394,9 +389,7 @@ class KVCacheView:
                     # Predicted blocks will be on GPU once the routed prefill runs.
                     weighted[address] += extended - blocks[address]
                     blocks[address] = extended
-        return PrefixLookup(
-            blocks, weighted, indexed, cached, computed * block_size, len(keys), held
-        )
+        return PrefixLookup(blocks, weighted, indexed, held, len(keys))
 
     async def _call(self, executor: Executor | None, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``: in ``executor`` when the index answers over the network."""

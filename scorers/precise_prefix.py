@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from indexer.errors import IndexerError, TokenizationError
-from kvcache.settings import KVCacheSettings, parse_duration
+from kvcache.settings import KVCacheSettings
 from kvcache.view import ChatPrompt, KVCacheView
 from scorers.base import (
     Endpoint,
@@ -45,9 +45,6 @@ from scorers.request_data import (
 
 logger = logging.getLogger(__name__)
 
-# The scorer's parameters are its view's settings.
-PrecisePrefixParameters = KVCacheSettings
-__all__ = ["PrecisePrefixCacheScorer", "PrecisePrefixParameters", "parse_duration"]
 
 # request.data key private to this plugin: its weighted match per endpoint, read by `score`.
 _SCORES = "precise-prefix.scores"
@@ -61,7 +58,7 @@ _INDEXED_BLOCKS = "precise-prefix.indexed-blocks"
 
 
 @register("precise-prefix-cache-scorer")
-class PrecisePrefixCacheScorer(Plugin[PrecisePrefixParameters]):
+class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
     """Scorer, data producer and PreRequest/ResponseComplete plugin over one KV-cache view;
     see the module docstring."""
 
@@ -99,13 +96,13 @@ class PrecisePrefixCacheScorer(Plugin[PrecisePrefixParameters]):
             request.data[_SCORES] = {}
             return
         found = await view.lookup(keys, [ep.address for ep in endpoints], executor)
+        block_size = view.block_size or 0
         request.data[_INDEXED_BLOCKS] = found.indexed
-        request.data[PREFIX_COMPUTED_TOKENS] = found.computed_tokens
-        request.data[KV_CACHED_TOKENS] = found.cached_tokens
+        request.data[PREFIX_COMPUTED_TOKENS] = max(found.indexed.values(), default=0) * block_size
+        request.data[KV_CACHED_TOKENS] = {a: n * block_size for a, n in found.held_blocks.items()}
         total = len(keys)
         request.data[_SCORES] = {a: found.weighted[a] / total for a, n in found.blocks.items() if n}
         record_prefix_matches(request, found.blocks)
-        block_size = view.block_size or 0
         tokens: dict[str, int] = request.data.setdefault(PREFIX_MATCHED_TOKENS, {})
         for address, count in found.blocks.items():
             if count:

@@ -34,7 +34,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self._views = views
         self._executor = executor
 
-    def _view(self, context: grpc.aio.ServicerContext[Any, Any]) -> KVCacheView:
+    def _view(self) -> KVCacheView:
         view = next(iter(self._views), None)
         if view is None:
             raise _Abort(
@@ -50,7 +50,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ScoreResponse:
         try:
-            view = self._view(context)
+            view = self._view()
             if not request.model:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
             which = request.WhichOneof("prompt")
@@ -65,17 +65,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 self._executor, _keys_of, view, request, which, chat
             )
             endpoints = self._endpoints(request.endpoints)
-            found = await view.lookup(keys or [], endpoints, self._executor)
+            found = await view.lookup(keys, endpoints, self._executor)
         except _Abort as abort:
             await context.abort(abort.code, abort.message)
-            raise AssertionError("abort returns by raising") from None
         except IndexerError as exc:  # tokenization or hashing refused the prompt
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("abort returns by raising") from None
         return pb.ScoreResponse(
             block_size=view.block_size or 0,
-            total_blocks=len(keys or []),
-            prompt_tokens=len(ids or []),
+            total_blocks=len(keys),
+            prompt_tokens=len(ids),
             pods=_pods(found, endpoints),
         )
 
@@ -83,10 +81,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LookupResponse:
         try:
-            view = self._view(context)
+            view = self._view()
         except _Abort as abort:
             await context.abort(abort.code, abort.message)
-            raise AssertionError("abort returns by raising") from None
         endpoints = self._endpoints(request.endpoints)
         found = await view.lookup(list(request.block_keys), endpoints, self._executor)
         return pb.LookupResponse(pods=_pods(found, endpoints))
@@ -111,7 +108,7 @@ def _chat(text: str) -> ChatPrompt:
 
 def _keys_of(
     view: KVCacheView, request: pb.ScoreRequest, which: str, chat: ChatPrompt | None
-) -> tuple[list[int] | None, list[int] | None]:
+) -> tuple[list[int], list[int]]:
     """Token ids and block keys, as the precise scorer computes them.  CPU work."""
     if which == "token_ids":
         ids: list[int] | None = list(request.token_ids.ids)
@@ -120,8 +117,17 @@ def _keys_of(
     else:
         ids = view.token_ids(request.model, chat=chat)
     if ids is None:
-        return None, None
+        raise _Abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"no tokenizer is configured for model {request.model!r}; send token_ids",
+        )
     keys = view.block_keys(ids, model=request.model, cache_salt=request.cache_salt or None)
+    if keys is None:
+        raise _Abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the pods' block size is not known yet (set blockSize, or wait for their metrics "
+            "or first KV event)",
+        )
     return ids, keys
 
 

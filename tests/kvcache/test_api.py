@@ -19,6 +19,7 @@ from kvcache.api.generate import generate
 from kvcache.api.service import start_kv_cache_server
 from scorers.base import Endpoint, LLMRequest, PluginContext, create_plugin
 from scorers.precise_prefix import PrecisePrefixCacheScorer
+from tests.scorers.plugin_helpers import StaticEndpoints
 
 REPO = Path(__file__).resolve().parents[2]
 PODS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -35,18 +36,11 @@ def test_committed_stubs_are_what_the_proto_generates(tmp_path: Path) -> None:
 def _plugin(tokenizer_dir: Path) -> PrecisePrefixCacheScorer:
     endpoints = [Endpoint(address=a) for a in PODS]
 
-    class Source:
-        def endpoints(self) -> list[Endpoint]:
-            return endpoints
-
-        def get(self, address: str) -> Endpoint | None:
-            return next((e for e in endpoints if e.address == address), None)
-
     plugin = create_plugin(
         "precise-prefix-cache-scorer",
         "p",
         {"blockSize": 16, "tokenizer": str(tokenizer_dir)},
-        PluginContext(endpoints=Source()),
+        PluginContext(endpoints=StaticEndpoints(endpoints)),
     )
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     return plugin
@@ -140,3 +134,41 @@ def test_lookup_and_errors_over_grpc() -> None:
             await server.stop(None)
 
     asyncio.run(run())
+
+
+def test_score_refuses_what_it_cannot_tokenize_or_hash() -> None:
+    # No tokenizer for the model, or a block size not known yet: an error that says so, not a
+    # table of zeros that looks like "no pod holds this prompt".
+    async def run() -> list[tuple[grpc.StatusCode, str]]:
+        endpoints = [Endpoint(address=a) for a in PODS]
+        with_size = create_plugin(
+            "precise-prefix-cache-scorer",
+            "p",
+            {"blockSize": 16},
+            PluginContext(endpoints=StaticEndpoints(endpoints)),
+        )
+        without_size = create_plugin(
+            "precise-prefix-cache-scorer",
+            "p",
+            {},
+            PluginContext(endpoints=StaticEndpoints(endpoints)),
+        )
+        errors = []
+        for plugin, request in (
+            (with_size, pb.ScoreRequest(model="m", text="hello")),
+            (without_size, pb.ScoreRequest(model="m", token_ids=pb.TokenIds(ids=[1, 2, 3]))),
+        ):
+            views = plugin.context.kv_caches
+            server, port = await start_kv_cache_server(views, None, "127.0.0.1", 0)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await pb_grpc.KVCacheStub(channel).Score(request)
+                    errors.append((caught.value.code(), caught.value.details() or ""))
+            finally:
+                await server.stop(None)
+        return errors
+
+    (code1, text1), (code2, text2) = asyncio.run(run())
+    assert code1 == grpc.StatusCode.FAILED_PRECONDITION and "no tokenizer" in text1
+    assert code2 == grpc.StatusCode.FAILED_PRECONDITION and "block size" in text2

@@ -20,6 +20,7 @@ from kvcache.redis_index import KVStoreError, RedisIndex, RedisStore
 from launcher.kv_store import KVStoreServer
 from scorers.base import Endpoint, LLMRequest, PluginConfigError, PluginContext, create_plugin
 from scorers.precise_prefix import PrecisePrefixCacheScorer
+from tests.scorers.plugin_helpers import StaticEndpoints
 
 BLOCK = 4
 CONFIG = HashConfig(block_size=BLOCK, algo="sha256", seed=None)
@@ -185,15 +186,11 @@ def test_bad_addresses_fail_with_the_fix(tmp_path: Path) -> None:
 def _plugin(params: dict[str, Any]) -> PrecisePrefixCacheScorer:
     endpoints = [Endpoint(address=a) for a in PODS[:3]]
 
-    class Source:
-        def endpoints(self) -> list[Endpoint]:
-            return endpoints
-
-        def get(self, address: str) -> Endpoint | None:
-            return next((e for e in endpoints if e.address == address), None)
-
     plugin = create_plugin(
-        "precise-prefix-cache-scorer", "p", params, PluginContext(endpoints=Source())
+        "precise-prefix-cache-scorer",
+        "p",
+        params,
+        PluginContext(endpoints=StaticEndpoints(endpoints)),
     )
     assert isinstance(plugin, PrecisePrefixCacheScorer)
     return plugin
