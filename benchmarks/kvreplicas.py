@@ -1,13 +1,15 @@
 """KV-event ingestion with several EPP replicas sharing one store.
 
-    python -m benchmarks.kvreplicas [--replicas 1,2,4] [--pods 100,1000] [--seconds 8] [--json OUT]
+    python -m benchmarks.kvreplicas [--replicas 1,2,4] [--pods 100,1000] [--seconds 8]
+                                    [--offered 500000] [--json OUT]
 
 For each (replicas, pods): a real Redis server (`launcher.kv_store`), one process publishing
 vLLM-format KV-event batches (32 stored blocks each, block size 16) on ``pods`` ZMQ PUB sockets
-as fast as it can, and ``replicas`` processes, each a real `kvcache.view.KVCacheView` with the
+at ``--offered`` block events per second in all (more than the replicas take), and ``replicas`` processes, each a real `kvcache.view.KVCacheView` with the
 store backend: the replicas share the pods out by lease (`kvcache.ownership`), subscribe to the
 pods they own and write what they ingest.  Printed: block events per second, in all and per
-replica, over ``--seconds`` after the streams are shared out, and how the pods were split.
+replica, over ``--seconds`` after the streams are shared out, how the pods were split, and the
+CPU cores each replica and the server used.
 
 Every process shares this machine's cores with the server and the publisher: on a 2-core
 machine the aggregate is bounded by the cores, not by the replicas; read the per-replica CPU
@@ -26,7 +28,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks.kvstore import BLOCK, stored_batch
 from benchmarks.reports import command_line, write_json
@@ -46,8 +48,10 @@ def _payloads(count: int) -> list[bytes]:
     ]
 
 
-def _publisher(pods: int, urls: Any, stop: Any) -> None:
-    """Bind ``pods`` PUB sockets, send their URLs, publish round-robin until ``stop``."""
+def _publisher(pods: int, urls: Any, stop: Any, rate: float) -> None:
+    """Bind ``pods`` PUB sockets, send their URLs, publish round-robin at ``rate`` batches per
+    second until ``stop``.  Paced, not flat out: a spinning publisher took a core the replicas
+    then could not use, and what the replicas cannot take is dropped at the sockets anyway."""
     import zmq
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -63,6 +67,7 @@ def _publisher(pods: int, urls: Any, stop: Any) -> None:
     payloads = _payloads(64)
     seqs = [0] * pods
     i = 0
+    start = time.monotonic()
     while not stop.is_set():
         for p, (sock, _) in enumerate(sockets):
             sock.send_multipart(
@@ -70,6 +75,8 @@ def _publisher(pods: int, urls: Any, stop: Any) -> None:
             )
             seqs[p] += 1
             i += 1
+            if i % 64 == 0 and (ahead := start + i / rate - time.monotonic()) > 0:
+                time.sleep(ahead)
     for sock, _ in sockets:
         sock.close(linger=0)
     context.term()
@@ -121,12 +128,27 @@ def _events(view: Any) -> int:
     return int(stats.events) if stats is not None else 0
 
 
-def run(replicas: int, pods: int, seconds: float) -> dict[str, Any]:
+def _server_cpu(address: str) -> float:
+    import valkey
+
+    client = valkey.Valkey.from_url(address)
+    try:
+        info = cast(dict[str, Any], client.info("cpu"))
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    finally:
+        client.close()  # type: ignore[no-untyped-call]
+
+
+def run(replicas: int, pods: int, seconds: float, offered: float) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, KVStoreServer(Path(tmp)) as server:
         urls_q, stop = ctx.Queue(), ctx.Event()
         # Daemons: a failure here must not leave a publisher spinning or the parent waiting.
-        publisher = ctx.Process(target=_publisher, args=(pods, urls_q, stop), daemon=True)
+        publisher = ctx.Process(
+            target=_publisher,
+            args=(pods, urls_q, stop, offered / BLOCKS_PER_BATCH),
+            daemon=True,
+        )
         publisher.start()
         procs: list[Any] = []
         try:
@@ -142,6 +164,10 @@ def run(replicas: int, pods: int, seconds: float) -> dict[str, Any]:
                 proc.start()
             for _ in procs:
                 ready.get(timeout=120)
+            time.sleep(6.0)  # as the replicas do, before they measure
+            cpu0, t0 = _server_cpu(server.address), time.monotonic()
+            time.sleep(seconds)
+            server_cores = (_server_cpu(server.address) - cpu0) / (time.monotonic() - t0)
             results = [out.get(timeout=seconds + 120) for _ in procs]
         finally:
             stop.set()
@@ -153,6 +179,7 @@ def run(replicas: int, pods: int, seconds: float) -> dict[str, Any]:
         "pods": pods,
         "ingested_block_events_per_s": BLOCKS_PER_BATCH * sum(r["ingested_per_s"] for r in results),
         "written_block_events_per_s": BLOCKS_PER_BATCH * sum(r["written_per_s"] for r in results),
+        "server_cpu_cores": server_cores,
         "per_replica": [
             {
                 "owned_pods": r["owned"],
@@ -171,16 +198,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", default="1,2,4")
     parser.add_argument("--pods", default="100,1000")
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--offered",
+        type=float,
+        default=500_000,
+        help="block events per second the pods publish, in all (more than the replicas take)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
     print(
-        f"{'pods':>6} {'replicas':>8} {'ingested/s':>12} {'written/s':>12}  "
+        f"{'pods':>6} {'replicas':>8} {'ingested/s':>12} {'written/s':>12} {'server':>7}  "
         "per replica (pods owned, written block events/s, cpu cores)"
     )
     for pods in [int(p) for p in args.pods.split(",")]:
         for replicas in [int(r) for r in args.replicas.split(",")]:
-            row = run(replicas, pods, args.seconds)
+            row = run(replicas, pods, args.seconds, args.offered)
             rows.append(row)
             each = ", ".join(
                 f"({r['owned_pods']}, {r['written_block_events_per_s']:,.0f}, {r['cpu_cores']:.2f})"
@@ -188,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(
                 f"{pods:>6} {replicas:>8} {row['ingested_block_events_per_s']:>12,.0f} "
-                f"{row['written_block_events_per_s']:>12,.0f}  {each}"
+                f"{row['written_block_events_per_s']:>12,.0f} {row['server_cpu_cores']:>7.2f}  {each}"
             )
     write_json(args.json, {"command": command_line("benchmarks.kvreplicas", argv), "rows": rows})
 

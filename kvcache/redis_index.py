@@ -159,7 +159,18 @@ class KVStoreError(IndexerError, ValueError):
 class RedisStore:
     """The connection to one Redis/Valkey server, its scripts and the writer thread."""
 
-    def __init__(self, address: str, namespace: str, *, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: str,
+        *,
+        timeout_s: float = 0.5,
+        write_timeout_s: float = 5.0,
+    ) -> None:
+        """``timeout_s`` bounds a lookup and a lease renewal (the request path must not wait
+        long for a store); ``write_timeout_s`` the writer's wait for a pipeline's answers.  A
+        timeout is "busy", not "down": only the writer's, after ``write_timeout_s``, or a refused
+        or reset connection counts as an outage (which drops writes)."""
         if not address.startswith(_ADDRESS_SCHEMES):
             raise KVStoreError(
                 f"KV-cache store address {address!r} must start with one of "
@@ -167,9 +178,13 @@ class RedisStore:
             )
         self.address = address
         self.namespace = namespace
+        self._timeout_s = timeout_s
         try:
             self._client = valkey.Valkey.from_url(
                 address, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            )
+            self._writes = valkey.Valkey.from_url(
+                address, socket_timeout=write_timeout_s, socket_connect_timeout=timeout_s
             )
         except ValueError as exc:
             raise KVStoreError(f"KV-cache store address {address!r}: {exc}") from exc
@@ -185,7 +200,9 @@ class RedisStore:
         self.writes_total = 0
         self.dropped_writes_total = 0
         self.lookup_errors_total = 0
+        self.lookup_timeouts_total = 0
         self.write_errors_total = 0
+        self._slow = False  # the last lookup timed out (logged once until one answers)
         # Endpoints some of whose writes were dropped during an outage, and who is told (from
         # the thread that sees the store answer again) so their entries can be rebuilt.
         self._dirty: set[str] = set()
@@ -215,6 +232,7 @@ class RedisStore:
             self._queue.put(_STOP)
             writer.join(timeout=5.0)
         self._client.close()  # type: ignore[no-untyped-call]
+        self._writes.close()  # type: ignore[no-untyped-call]
 
     # -- writes (any thread; sent by the writer in order) --------------------------------------
 
@@ -258,7 +276,7 @@ class RedisStore:
         also marks the store down, and the writer waits for it)."""
         ns = self.namespace
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._writes.pipeline(transaction=False)
             for script, endpoint, bits, keys in writes:
                 script(args=[ns, endpoint, bits, _packed(keys)], client=pipe)
             pipe.execute()  # type: ignore[no-untyped-call]
@@ -310,7 +328,7 @@ class RedisStore:
         the pods' later events carry on from whatever it holds."""
         while True:
             try:
-                self._client.ping()
+                self._writes.ping()
             except (valkey.ConnectionError, valkey.TimeoutError):
                 pass
             else:
@@ -338,6 +356,8 @@ class RedisStore:
         does not answer."""
         try:
             live = self._renew(args=[self.namespace, replica, int(lease_s * 1000)])
+        except valkey.TimeoutError:
+            return None  # busy: the next renewal, a third of the lease later, tries again
         except valkey.ValkeyError as exc:
             self._went_down(exc)
             return None
@@ -368,7 +388,19 @@ class RedisStore:
             first = self._candidates(args=[self.namespace, packed[:8], *endpoints])
             holders = [i for i in range(len(endpoints)) if first[2 * i + 1] is not None]
             runs = self._hmget([endpoints[i] for i in holders], packed) if holders else []
-        except (valkey.ConnectionError, valkey.TimeoutError) as exc:
+        except valkey.TimeoutError:
+            self.lookup_errors_total += 1
+            self.lookup_timeouts_total += 1
+            if not self._slow:
+                self._slow = True
+                logger.warning(
+                    "KV-cache store %s is slow: a lookup took over %.1f s and was routed by "
+                    "load (further timeouts are counted, not logged, until one answers)",
+                    self.address,
+                    self._timeout_s,
+                )
+            return None
+        except valkey.ConnectionError as exc:
             self.lookup_errors_total += 1
             self._went_down(exc)
             return None
@@ -376,6 +408,7 @@ class RedisStore:
             self.lookup_errors_total += 1
             logger.error("KV-cache store %s failed a lookup: %s", self.address, exc)
             return None
+        self._slow = False
         self._came_back()
         held = {endpoint: int(first[2 * i]) for i, endpoint in enumerate(endpoints)}
         return {endpoints[i]: run for i, run in zip(holders, runs, strict=True)}, held
@@ -537,6 +570,12 @@ class RedisIndex:
             "Lookups the shared KV-cache store failed to answer (cumulative); each was routed "
             "by load.",
             store.lookup_errors_total,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_lookup_timeouts",
+            "Lookups that timed out on a busy store (cumulative; part of lookup_errors): the "
+            "store is not marked down for them.",
+            store.lookup_timeouts_total,
         )
         yield from mismatch_samples(
             {n: s.mismatch_events for n, s in self._endpoints.items() if s.mismatch_events}

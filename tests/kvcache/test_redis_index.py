@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,39 @@ def test_store_outage_routes_by_load_then_recovers(server: KVStoreServer) -> Non
         assert store.up and found[PODS[2]].blocks == 8 and found[PODS[0]].blocks == 0
         assert store.outages_total == 1
     finally:
+        store.stop()
+
+
+def test_a_busy_store_is_not_taken_for_dead(server: KVStoreServer) -> None:
+    # A script keeps the real server busy for 1.2 s: a lookup meanwhile times out (0.5 s) and
+    # answers "nothing held", but the store is not marked down and a write queued meanwhile is
+    # written once the server answers (the writer waits up to 5 s), not dropped.
+    import threading
+
+    store = _store(server, namespace="busy")
+    redis = RedisIndex(store, hash_config=None, tier_weights=None, self_check_blocks=None)
+    tokens = list(range(16))
+    keys = block_hashes(tokens, block_size=BLOCK, algo="sha256")
+    client = valkey.Valkey.from_url(server.address, socket_timeout=10)
+    busy = client.register_script(
+        "local t0 = redis.call('TIME') "
+        "repeat local t = redis.call('TIME') "
+        "until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 1200000 return 0"
+    )
+    blocker = threading.Thread(target=busy)
+    try:
+        blocker.start()
+        time.sleep(0.1)
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 0
+        redis.apply(PODS[0], KVEventBatch(ts=0.0, events=(_stored(tokens),)))
+        blocker.join()
+        assert store.flush()
+        assert redis.match(keys, PODS[:1]).prefix[PODS[0]].blocks == 4
+        assert store.up and store.outages_total == 0 and store.dropped_writes_total == 0
+        assert store.lookup_timeouts_total == 1 and store.lookup_errors_total == 1
+    finally:
+        blocker.join()
+        client.close()
         store.stop()
 
 
