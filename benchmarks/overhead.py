@@ -72,7 +72,7 @@ def _cpu_seconds() -> float:
 class Server:
     """The EPP's request path in this process: datastore, scheduler, director, ext_proc."""
 
-    def __init__(self, endpoints: int, tokenizer_dir: Path) -> None:
+    def __init__(self, endpoints: int, tokenizer_dir: Path, config: str | None = None) -> None:
         self.datastore = Datastore(staleness_threshold=None)
         self.addresses = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
         rng = random.Random(1)
@@ -83,7 +83,9 @@ class Server:
             )
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epp-cpu")
         self.context = PluginContext(endpoints=self.datastore, executor=self.executor)
-        self.scheduler = build_scheduler(load_config(text=_config(tokenizer_dir)), self.context)
+        self.scheduler = build_scheduler(
+            load_config(text=config or _config(tokenizer_dir)), self.context
+        )
         plugin = self.scheduler.plugin("precise-prefix-cache-scorer")
         assert isinstance(plugin, PrecisePrefixCacheScorer)
         self.plugin = plugin
