@@ -1,7 +1,8 @@
 """Three ``epp serve`` replicas on one real Redis server, four simulated vLLM pods publishing
-real KV events: every pod's stream is ingested by exactly one replica, and when the owner of a
-pod is SIGKILLed, another takes the pod over and catches up from its replay buffer, so a prompt
-the pod cached right after the kill reaches the shared index."""
+real KV events: every pod's stream is ingested by exactly one replica; a pod that restarts has
+its entries cleared by its owner (and only its own); and when the owner of a pod is SIGKILLed,
+another takes the pod over and catches up from its replay buffer, so a prompt the pod cached
+right after the kill reaches the shared index."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def _held(client: valkey.Valkey, pod_address: str, ids: list[int]) -> bool:
     return all(v is not None for v in values)
 
 
+def _restart(pod_address: str) -> None:
+    """The simulator's engine restart: its cache is emptied and its event stream starts again."""
+    request = urllib.request.Request(
+        f"http://{pod_address}/fault/restart",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
 def _wait(condition: object, what: str, timeout: float = 30.0) -> float:
     started = time.monotonic()
     while not condition():  # type: ignore[operator]
@@ -92,6 +105,20 @@ def test_replicas_share_the_pods_and_survive_a_killed_owner(
                 ids = [10_000 * (i + 1) + t for t in range(64)]
                 _cache(pod.address, ids)
                 _wait(lambda a=pod.address, p=ids: _held(client, a, p), f"pod {i}'s prompt")
+
+            # A pod restarts (seen when its stream starts again at seq 0): its owner drops its
+            # entries from the store, the other pods keep theirs, and what it caches afterwards
+            # is written again.
+            first = [[10_000 * (i + 1) + t for t in range(64)] for i in range(len(stack.pods))]
+            restarted = stack.pods[0].address
+            _restart(restarted)
+            again = [50_000 + t for t in range(64)]
+            _cache(restarted, again)
+            _wait(lambda: _held(client, restarted, again), "a prompt cached after the restart")
+            assert not _held(client, restarted, first[0])
+            assert all(
+                _held(client, pod.address, first[i]) for i, pod in enumerate(stack.pods) if i
+            )
 
             victim = next(r for r in range(3) if _owned(stack, r))
             orphans = sorted(_owned(stack, victim))
