@@ -1,10 +1,13 @@
-"""Reading a local stack's state: Prometheus samples, a pod's true cache contents (from its own
-replay buffer), and bounded polling until a condition holds."""
+"""Reading a local stack's state: Prometheus samples, which pods' KV-event streams a replica
+owns, a pod's true cache contents (from its own replay buffer), and bounded polling until a
+condition holds; and caching a prompt on a pod directly."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -32,6 +35,27 @@ def scrape(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         text: str = resp.read().decode()
         return text
+
+
+def owned_streams(metrics_url: str, addresses: Iterable[str]) -> set[str]:
+    """The pods among ``addresses`` whose KV events the replica serving ``metrics_url`` ingests
+    (``inference_extension_kv_stream_owned``, with a shared store)."""
+    text = scrape(metrics_url)
+    return {a for a in addresses if metric(text, "inference_extension_kv_stream_owned", endpoint=a)}
+
+
+def cache_on_pod(address: str, model: str, ids: list[int], timeout: float = 30.0) -> None:
+    """A one-token completion of ``ids`` sent straight to the pod (no EPP): the pod caches the
+    prompt and publishes its blocks."""
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://{address}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{address} answered {response.status} to a completion")
 
 
 def true_entries(pod: Pod, timeout: float = 5.0) -> int:

@@ -6,7 +6,6 @@ right after the kill reaches the shared index."""
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,7 @@ import valkey
 from indexer.hashing import block_hashes
 from launcher.configs import equal_weights_config
 from launcher.kv_store import KVStoreServer
-from launcher.observe import metric, scrape
+from launcher.observe import cache_on_pod, owned_streams
 from launcher.stack import MODEL, Stack
 
 LEASE_S = 1.0
@@ -24,24 +23,11 @@ NAMESPACE = "e2e"
 
 
 def _owned(stack: Stack, replica: int) -> set[str]:
-    text = scrape(stack.replicas[replica].metrics_url)
-    return {
-        pod.address
-        for pod in stack.pods
-        if metric(text, "inference_extension_kv_stream_owned", endpoint=pod.address) == 1.0
-    }
+    return owned_streams(stack.replicas[replica].metrics_url, [pod.address for pod in stack.pods])
 
 
 def _cache(pod_address: str, ids: list[int]) -> None:
-    """A completions request with token ids straight to the pod (no EPP): it caches them."""
-    body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
-    request = urllib.request.Request(
-        f"http://{pod_address}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
+    cache_on_pod(pod_address, MODEL, ids)
 
 
 def _held(client: valkey.Valkey, pod_address: str, ids: list[int]) -> bool:
