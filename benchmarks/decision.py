@@ -38,12 +38,14 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.reports import write_json
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
 from epp.extproc import start_extproc_server
+from epp.health import EXTPROC_SERVICE, HealthService, add_health_service
 from indexer.events import BlockStored, KVEventBatch
 from indexer.hashing import block_hashes
 from indexer.tokenization import PromptTokenizer
@@ -173,15 +175,24 @@ async def run_extproc_cases(endpoints: int, requests: int, tokenizer_dir: Path) 
     # Loads and warms the tokenizer, as `epp serve` does before it listens.
     await context.kv_caches.start(context.executor)
     await scheduler.start()
-    server = await start_extproc_server(director, port=0, host="127.0.0.1")
+    health = HealthService(lambda: True)
+    server = await start_extproc_server(
+        director,
+        port=0,
+        host="127.0.0.1",
+        extra_services=(lambda grpc_server: add_health_service(grpc_server, health),),
+    )
     rng = random.Random(7)
     results: dict[str, Any] = {}
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = ep_grpc.ExternalProcessorStub(channel)
-            # Connected before the clock starts, as Envoy's ext_proc connection is (its health
-            # checks open it before traffic).
+            # Connected and health-checked before the clock starts, as Envoy's ext_proc
+            # connection is: its health check asks the ext_proc port before traffic arrives.
             await channel.channel_ready()
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=EXTPROC_SERVICE)
+            )
             # The first decisions after start, before anything on the request path has run:
             # what the first burst after a roll-out waits for (a cold chat template, a cold
             # cache, first-use imports), next to the warm decisions below.
