@@ -1,21 +1,27 @@
-"""OpenAI request bodies → `LLMRequest`: the only place that decides what a valid request is.
+"""Request bodies → `LLMRequest`: the only place that decides what a valid request is.
 
-Two APIs are understood, matched on the path (query string ignored):
+The API is recognised by the end of the path (query string ignored), whatever prefix a gateway
+route adds (``/llama/v1/chat/completions`` is a chat), checked in this order as llm-d-router's
+``openai-parser`` and ``anthropic-parser`` do:
 
-- ``/v1/completions``: ``model`` (non-empty string) and ``prompt``: a string, a list of token
+- ``…/conversations``: ``items``, a non-empty list.
+- ``…/responses`` (OpenAI Responses): ``model`` and ``input`` (a string or a list of items).
+- ``…/chat/completions``: ``model`` and ``messages``: a non-empty list of objects, each with a
+  string ``role``.
+- ``…/completions``: ``model`` (non-empty string) and ``prompt``: a string, a list of token
   ids, or a batch (a non-empty list of strings or of token-id lists).  For a batch the first
   prompt is the one routing sees (the whole batch goes to one pod, and batches in practice
   share their prefix); the body is forwarded untouched.
-- ``/v1/chat/completions``: ``model`` and ``messages``: a non-empty list of objects, each with
-  a string ``role``.
+- ``…/embeddings``: ``model`` and ``input``.
+- ``…/messages`` (Anthropic Messages): ``model`` and ``messages``, as for chat.
 
-Both may carry ``stream`` (bool) and ``cache_salt`` (non-empty string, as vLLM requires: it
+Each may carry ``stream`` (bool) and ``cache_salt`` (non-empty string, as vLLM requires: it
 salts the first KV block's hash, so it changes which pod holds the prefix).
 
-Every other path (``/v1/models``, ``/v1/embeddings``, ``/health``, ...) is kind ``"other"``:
-the EPP does not judge APIs it does not model, it only routes them.  Such a request takes
-its ``model`` from a JSON-object body that names one, and otherwise has ``model=""``; a body
-that is not a JSON object is forwarded untouched (the model server answers it).  The size
+Every other path (``/v1/models``, ``/health``, ``/v1/messages/count_tokens``, ...) is kind
+``"other"`` and passed through, as llm-d-router's ``passthrough-parser`` does: such a request
+takes its ``model`` from a JSON-object body that names one, and otherwise has ``model=""``; a
+body that is not a JSON object is forwarded untouched (the model server answers it).  The size
 limit applies to every path.
 
 Errors are `BadRequestError` (HTTP 400) with a message that names the problem.
@@ -36,9 +42,6 @@ from scorers.base import LLMRequest, RequestKind
 # being buffered further.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-
 
 class BadRequestError(ValueError):
     """The request is not one the model server could accept; maps to HTTP 400."""
@@ -50,13 +53,23 @@ class BadRequestError(ValueError):
         self.message = message
 
 
+# Path endings → the API, in the order they are tried ("/completions" also ends a chat path).
+_PATH_KINDS: tuple[tuple[str, RequestKind], ...] = (
+    ("/conversations", "conversations"),
+    ("/responses", "responses"),
+    ("/chat/completions", "chat"),
+    ("/completions", "completions"),
+    ("/embeddings", "embeddings"),
+    ("/messages", "messages"),
+)
+
+
 def request_kind(path: str) -> RequestKind:
-    """``completions``, ``chat`` or ``other``, from the ``:path`` (query string ignored)."""
+    """The API of a request, from the end of its ``:path`` (query string ignored)."""
     route = path.split("?", 1)[0]
-    if route == COMPLETIONS_PATH:
-        return "completions"
-    if route == CHAT_COMPLETIONS_PATH:
-        return "chat"
+    for ending, kind in _PATH_KINDS:
+        if route.endswith(ending):
+            return kind
     return "other"
 
 
@@ -91,6 +104,20 @@ def parse_request(
         return _other_request(body, path=path, headers=headers, request_id=request_id)
 
     document = _decode_json_object(body)
+    if kind == "conversations":
+        items = document.get("items")
+        if not isinstance(items, list) or not items:
+            raise BadRequestError('"items" must be a non-empty list for a conversations request')
+        model = document.get("model")
+        return LLMRequest(
+            request_id=request_id,
+            model=model if isinstance(model, str) else "",
+            kind=kind,
+            path=path,
+            headers=headers,
+            body=document,
+            stream=_stream(document),
+        )
     model = document.get("model")
     if model is None:
         raise BadRequestError('request body has no "model" field; name the model to serve')
@@ -113,8 +140,17 @@ def parse_request(
     )
     if kind == "completions":
         request.prompt = _prompt(document)
-    else:
-        request.messages = _messages(document)
+    elif kind == "chat":
+        request.messages = _messages(document, kind)
+    elif kind == "messages":
+        request.messages = _anthropic_messages(document)
+    elif kind == "responses":
+        request.messages = _responses_messages(document)
+    else:  # embeddings
+        if document.get("input") is None:
+            raise BadRequestError(
+                'request body has no "input" field; an embeddings request needs input'
+            )
     return request
 
 
@@ -196,12 +232,13 @@ def _is_token_ids(values: list[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
-def _messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _messages(document: Mapping[str, Any], kind: RequestKind) -> list[dict[str, Any]]:
     messages = document.get("messages")
     if messages is None:
+        api = "/v1/messages" if kind == "messages" else "/v1/chat/completions"
         raise BadRequestError(
-            'request body has no "messages" field; /v1/chat/completions needs a list of '
-            'messages like [{"role": "user", "content": "..."}]'
+            f'request body has no "messages" field; {api} needs a list of messages like '
+            '[{"role": "user", "content": "..."}]'
         )
     if not isinstance(messages, list):
         raise BadRequestError(
@@ -217,6 +254,49 @@ def _messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
             )
         if not isinstance(message.get("role"), str):
             raise BadRequestError(f'"messages[{index}]" has no string "role"')
+    return messages
+
+
+def _anthropic_messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation of an Anthropic Messages request, its ``system`` (a string or text
+    blocks) first, for the plugins that measure prompts."""
+    messages = _messages(document, "messages")
+    system = document.get("system")
+    if system is None:
+        return messages
+    if isinstance(system, list):
+        texts = [b.get("text") for b in system if isinstance(b, dict)]
+        system = "".join(t for t in texts if isinstance(t, str))
+    if not isinstance(system, str):
+        raise BadRequestError(
+            f'"system" must be a string or a list of text blocks, got {_preview(system)}'
+        )
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _responses_messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation of an OpenAI Responses request as vLLM builds it for a string
+    ``input``: ``instructions`` as a system message, then the input as the user's; a list
+    ``input`` keeps its message items (those with a ``role``)."""
+    given = document.get("input")
+    if given is None:
+        raise BadRequestError(
+            'request body has no "input" field; /v1/responses needs input (a string or a list '
+            "of items)"
+        )
+    if not isinstance(given, str | list):
+        raise BadRequestError(
+            f'"input" must be a string or a list of items, got {_json_type(given)}: '
+            f"{_preview(given)}"
+        )
+    instructions = document.get("instructions")
+    messages: list[dict[str, Any]] = []
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    else:
+        messages += [i for i in given if isinstance(i, dict) and isinstance(i.get("role"), str)]
     return messages
 
 

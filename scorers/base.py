@@ -136,7 +136,9 @@ class Endpoint:
         return host.strip("[]")
 
 
-RequestKind = Literal["completions", "chat", "other"]
+RequestKind = Literal[
+    "completions", "chat", "responses", "embeddings", "conversations", "messages", "other"
+]
 
 CHARS_PER_TOKEN_ESTIMATE: Final = 4
 """Prompt length estimate without tokens (the Inference Extension's "estimate" tokenizer
@@ -154,7 +156,8 @@ class LLMRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     body: Mapping[str, Any] = field(default_factory=dict)
     prompt: str | list[int] | None = None  # /v1/completions
-    messages: list[dict[str, Any]] | None = None  # /v1/chat/completions
+    # /v1/chat/completions; the conversation of /v1/messages and /v1/responses requests too
+    messages: list[dict[str, Any]] | None = None
     cache_salt: str | None = None
     stream: bool = False
     # Filled by data producers before filtering: the prompt as the model server will tokenize it.

@@ -134,6 +134,14 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
             return self.view.token_ids(request.model, chat=chat)
         if isinstance(request.prompt, str):
             return self.view.token_ids(request.model, prompt=request.prompt)
+        if request.kind in ("responses", "messages"):
+            # vLLM renders these through its own conversions before the chat template; until
+            # those are reproduced and checked against vLLM, no block keys beat wrong ones.
+            self.view.warn_once(
+                f"kind:{request.kind}",
+                f"{request.kind} requests ({request.path}) get no prefix scores yet: their "
+                "block keys are not computed; they are routed by the other scorers",
+            )
         return None
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:

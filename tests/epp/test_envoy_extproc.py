@@ -47,6 +47,7 @@ class ScriptedRouter:
     completions: dict[str, list[tuple[Usage | None, int]]] = field(default_factory=dict)
     failures: list[tuple[str, int, str]] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # key → the API the EPP parsed
 
     def _decide(self, how: str, request: LLMRequest) -> RoutingDecision:
         error = request.headers.get("x-test-error")
@@ -63,6 +64,7 @@ class ScriptedRouter:
         primary = names.split(",")[0]
         self.in_flight[primary] = self.in_flight.get(primary, 0) + 1
         self.decisions[self._key(request)] = (how, targets)
+        self.kinds[self._key(request)] = request.kind
         return RoutingDecision(request=request, targets=targets)
 
     @staticmethod
@@ -362,6 +364,36 @@ def test_errors_are_answered_by_envoy_with_the_epp_status(
     assert failure == ("?" if status == 400 else key, status, reply.decode().strip())
     assert sum(len(b.received) for b in gateway.stack.backends.values()) == received_before
     assert key not in gateway.router.completions
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "kind"),
+    [
+        ("/llama/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        ("/llama/v1/completions", {"prompt": "hi"}, "completions"),
+        ("/v1/responses", {"input": "hi", "instructions": "Be brief."}, "responses"),
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            "messages",
+        ),
+    ],
+)
+def test_the_api_is_known_by_the_paths_ending_and_a_bad_body_is_refused(
+    gateway: Gateway, path: str, body: dict[str, Any], kind: str
+) -> None:
+    # A gateway route's prefix, the Responses and the Messages APIs: parsed and validated as
+    # their API (they were forwarded unjudged, with no prompt for the scheduler to see).
+    key = f"api-{path}"
+    headers = {"x-test-key": key, "x-test-targets": "b0", "content-type": "application/json"}
+    gateway.request_ok("POST", path, json.dumps({"model": "m", **body}).encode(), headers)
+    assert gateway.router.kinds[key] == kind
+    gateway.completed(key)
+    received_before = sum(len(b.received) for b in gateway.stack.backends.values())
+    status, _, reply = gateway.request("POST", path, b'{"model": "m"}', {"x-test-key": key + "!"})
+    assert status == 400, reply
+    assert b'no "' in reply  # the field the API needs
+    assert sum(len(b.received) for b in gateway.stack.backends.values()) == received_before
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,16 +147,94 @@ def test_size_limit_is_checked_before_parsing() -> None:
 
 
 def test_other_paths_are_routed_not_judged() -> None:
-    embeddings = parse({"model": "e5", "input": "x"}, path="/v1/embeddings")
-    assert (embeddings.kind, embeddings.model, embeddings.body["input"]) == ("other", "e5", "x")
-    assert parse({"input": "x"}, path="/v1/embeddings").model == ""
-    assert parse({"model": 3}, path="/v1/embeddings").model == ""
     assert parse(b"not json at all", path="/tokenize").body == {}
     assert parse(b"\xff\xfe", path="/tokenize").model == ""
     assert parse(b"[1]", path="/tokenize").body == {}
     assert parse(b"", path="/v1/models").model == ""
-    assert parse({"model": "m", "stream": True}, path="/v1/responses").stream is True
+    count = parse({"model": "m", "messages": []}, path="/v1/messages/count_tokens")
+    assert (count.kind, count.model) == ("other", "m")
     assert "larger than the limit" in bad(b"x" * 20, path="/v1/embeddings", max_body_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/v1/chat/completions", "chat"),
+        ("/llama/v1/chat/completions", "chat"),  # a gateway route's prefix
+        ("/llama/v1/completions?x=1", "completions"),
+        ("/v1/responses", "responses"),
+        ("/openai/v1/responses", "responses"),
+        ("/v1/embeddings", "embeddings"),
+        ("/v1/conversations", "conversations"),
+        ("/v1/messages", "messages"),
+        ("/anthropic/v1/messages", "messages"),
+        ("/v1/messages/count_tokens", "other"),
+        ("/v1/completions/", "other"),
+        ("/v1/models", "other"),
+    ],
+)
+def test_the_api_is_the_paths_ending(path: str, kind: str) -> None:
+    assert request_kind(path) == kind
+
+
+def test_each_api_is_validated_with_its_own_fields() -> None:
+    chat = parse(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        path="/x/v1/chat/completions",
+    )
+    assert (chat.kind, chat.messages) == ("chat", [{"role": "user", "content": "hi"}])
+    assert 'no "messages" field' in bad({"model": "m"}, path="/llama/v1/chat/completions")
+    assert "not valid JSON" in bad(b"{nope", path="/llama/v1/chat/completions")
+
+    embeddings = parse({"model": "e5", "input": "x"}, path="/v1/embeddings")
+    assert (embeddings.kind, embeddings.model, embeddings.body["input"]) == (
+        "embeddings",
+        "e5",
+        "x",
+    )
+    assert 'no "input" field' in bad({"model": "e5"}, path="/v1/embeddings")
+    assert 'no "model" field' in bad({"input": "x"}, path="/v1/embeddings")
+
+    response = parse(
+        {"model": "m", "input": "What is KV?", "instructions": "Be brief.", "stream": True},
+        path="/v1/responses",
+    )
+    assert response.kind == "responses" and response.stream is True
+    assert response.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is KV?"},
+    ]
+    items = [{"role": "user", "content": "a"}, {"type": "function_call_output", "output": "b"}]
+    assert parse({"model": "m", "input": items}, path="/v1/responses").messages == items[:1]
+    assert 'no "input" field' in bad({"model": "m"}, path="/v1/responses")
+    assert '"input" must be a string or a list' in bad(
+        {"model": "m", "input": 3}, path="/v1/responses"
+    )
+
+    anthropic = parse(
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "system": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}],
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        path="/v1/messages",
+    )
+    assert anthropic.kind == "messages"
+    assert anthropic.messages == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert "/v1/messages needs a list of messages" in bad({"model": "m"}, path="/v1/messages")
+    assert '"messages" is empty' in bad({"model": "m", "messages": []}, path="/v1/messages")
+    assert '"system" must be' in bad(
+        {"model": "m", "system": 3, "messages": [{"role": "user", "content": "x"}]},
+        path="/v1/messages",
+    )
+
+    conversation = parse({"items": [{"type": "message"}]}, path="/v1/conversations")
+    assert conversation.kind == "conversations"
+    assert '"items" must be a non-empty list' in bad({"items": []}, path="/v1/conversations")
 
 
 def test_request_without_body() -> None:
