@@ -150,7 +150,7 @@ class Director:
         )
         request.data[RESPONSE_TIMING] = ResponseTiming(routed_at=self.datastore.clock())
         if self.telemetry is not None:
-            self.telemetry.requests.labels(request.model, request.model).inc()
+            self.telemetry.requests.labels(request.client_model, request.model).inc()
             self.telemetry.running_requests.labels(request.model).inc()
         return TrackedDecision(
             request=request,
@@ -194,7 +194,7 @@ class Director:
             )
         if self.telemetry is not None:
             model = decision.request.model
-            self.telemetry.request_ttft.labels(model, model).observe(
+            self.telemetry.request_ttft.labels(decision.request.client_model, model).observe(
                 time.perf_counter() - decision.decided_at
             )
 
@@ -208,19 +208,21 @@ class Director:
         request = decision.request
         telemetry = self.telemetry
         if telemetry is not None:
-            model = request.model
+            client, model = request.client_model, request.model
             telemetry.running_requests.labels(model).dec()
             if isinstance(decision, TrackedDecision):
-                telemetry.request_duration.labels(model, model).observe(
+                telemetry.request_duration.labels(client, model).observe(
                     time.perf_counter() - decision.decided_at
                 )
             if status >= 400:
-                telemetry.request_errors.labels(model, model, str(status)).inc()
+                telemetry.request_errors.labels(client, model, str(status)).inc()
             if usage is not None:
-                telemetry.input_tokens.labels(model, model).observe(usage.prompt_tokens)
-                telemetry.output_tokens.labels(model, model).observe(usage.completion_tokens)
+                telemetry.input_tokens.labels(client, model).observe(usage.prompt_tokens)
+                telemetry.output_tokens.labels(client, model).observe(usage.completion_tokens)
                 if usage.cached_tokens is not None:
-                    telemetry.prompt_cached_tokens.labels(model, model).observe(usage.cached_tokens)
+                    telemetry.prompt_cached_tokens.labels(client, model).observe(
+                        usage.cached_tokens
+                    )
         if decision.targets:
             self.scheduler.run_response_complete(request, decision.targets[0], usage)
 
@@ -239,8 +241,9 @@ class Director:
 
     def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
         model = request.model if request is not None else ""
+        client = request.client_model if request is not None else ""
         if self.telemetry is not None:
-            self.telemetry.request_errors.labels(model, model, str(status)).inc()
+            self.telemetry.request_errors.labels(client, model, str(status)).inc()
         logger.info(
             "request %s answered by the EPP with %d: %s",
             request.request_id if request is not None else "-",

@@ -26,13 +26,19 @@ Inference Extension's EPP uses it; summarized in ``docs/design.md``, "Envoy ext_
    answered (holding them stalls the request until ``message_timeout``, then Envoy answers
    504: verified), so the headers get an empty CONTINUE at once and the routing mutation and
    metadata ride on the ``BodyResponse`` instead (Envoy applies header mutations and
-   ``clear_route_cache`` from a buffered body reply); the body itself is left unmutated.
+   ``clear_route_cache`` from a buffered body reply); the body itself is left unmutated
+   unless a model rewrite changed it.
+   A model rewrite header (``x-llm-d-model-name-rewrite``, or the Inference Extension's
+   ``x-gateway-model-name-rewrite``) sends the request to another model: the forwarded body
+   names it (`epp.requests.rewrite_model`), the `Router` sees it, and the response's
+   ``"model":"<target>"`` is written back as the client's name in every chunk.
    The mode comes from ``ProcessingRequest.protocol_config`` (Envoy sends it on the first
    message of each stream), else from `ExtProcSettings`.
 3. Errors become an ``ImmediateResponse``: `BadRequestError` → 400, `SchedulingError` →
    its ``http_status`` (503 no ready endpoint, 429 every endpoint filtered / saturated), any
    other exception → 500, logged with the request id.  The stream never crashes.
-4. Response phases are observed and passed through unchanged: the status, whether it is a
+4. Response phases are observed and passed through unchanged (but for a rewritten model's
+   name): the status, whether it is a
    ``text/event-stream``, every body chunk (echoed immediately), and the ``usage`` of a JSON
    body or of the last SSE ``data:`` event carrying one.  `Router.response_complete` is
    called exactly once per routed request: at the response's end of stream, at its
@@ -70,8 +76,11 @@ from epp.requests import (
     DEFAULT_MAX_BODY_BYTES,
     BadRequestError,
     check_body_size,
+    model_rewrite,
     parse_request,
     request_without_body,
+    restore_model_name,
+    rewrite_model,
 )
 from scorers.base import LLMRequest, SchedulingError, Usage
 
@@ -523,13 +532,18 @@ class ExtProcStream:
             max_body_bytes=self._settings.max_body_bytes,
         )
         self._request = request
+        target = model_rewrite(self.headers)
+        rewritten = rewrite_model(request, target) if target is not None else None
+        mutated = rewritten is not None
+        if rewritten is not None:
+            body = rewritten
         if not body.strip() and request.kind == "other":
             decision = self._router.route_without_body(request, self.subset)
         else:
             decision = await self._router.route(request, self.subset)
         self._routed(decision)
         if self.request_body_mode == BUFFERED:
-            return [self._buffered_body_response(decision)]
+            return [self._buffered_body_response(decision, body if mutated else None)]
         return [
             self._headers_response(decision, content_length=len(body)),
             *streamed_body_responses(body, end_of_stream=not trailers_follow, request=True),
@@ -581,11 +595,18 @@ class ExtProcStream:
             dynamic_metadata=self._destination_metadata(decision),
         )
 
-    def _buffered_body_response(self, decision: RoutingDecision) -> ProcessingResponse:
+    def _buffered_body_response(
+        self, decision: RoutingDecision, body: bytes | None
+    ) -> ProcessingResponse:
+        """The reply to a BUFFERED body: the routing headers, and ``body`` in place of the
+        client's when the EPP changed it (a model rewrite)."""
+        common = self._routing_mutation(
+            decision, content_length=len(body) if body is not None else None
+        )
+        if body is not None:
+            common.body_mutation.body = body
         return ext_proc_pb2.ProcessingResponse(
-            request_body=ext_proc_pb2.BodyResponse(
-                response=self._routing_mutation(decision, content_length=None)
-            ),
+            request_body=ext_proc_pb2.BodyResponse(response=common),
             dynamic_metadata=self._destination_metadata(decision),
         )
 
@@ -643,11 +664,18 @@ class ExtProcStream:
                 self._response.usage.feed(chunk)
         if message.end_of_stream:
             self._complete()
+        request = self._request
+        restored = chunk
+        if request is not None and request.incoming_model is not None and chunk:
+            restored = restore_model_name(chunk, request.model, request.incoming_model)
         if self.response_body_mode == FULL_DUPLEX_STREAMED:
             return streamed_body_responses(
-                chunk, end_of_stream=message.end_of_stream, request=False
+                restored, end_of_stream=message.end_of_stream, request=False
             )
-        return [ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse())]
+        reply = ext_proc_pb2.BodyResponse()
+        if restored is not chunk:
+            reply.response.body_mutation.body = restored
+        return [ext_proc_pb2.ProcessingResponse(response_body=reply)]
 
     def _complete(self, status: int | None = None) -> None:
         if self.decision is None or self._response.completed:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from scorers.base import LLMRequest, RequestKind
 
@@ -71,6 +71,43 @@ def request_kind(path: str) -> RequestKind:
         if route.endswith(ending):
             return kind
     return "other"
+
+
+# The model the request is forwarded to, when the gateway asks for another than the body's
+# (llm-d-router's name first; the Inference Extension's is still accepted, as upstream does).
+MODEL_REWRITE_HEADERS: Final = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+
+
+def model_rewrite(headers: Mapping[str, str]) -> str | None:
+    """The model a rewrite header names, or None."""
+    for name in MODEL_REWRITE_HEADERS:
+        if target := headers.get(name, "").strip():
+            return target
+    return None
+
+
+def rewrite_model(request: LLMRequest, target: str) -> bytes | None:
+    """Point ``request`` at ``target``: the body to forward instead (its ``model`` replaced,
+    the rest as parsed, serialized compactly), or None when there is nothing to change (the
+    same model, or an API with no model in its body).  Plugins then see the target model (LoRA
+    affinity, tokenizers); ``incoming_model`` keeps the client's name for the response."""
+    if request.kind in ("other", "conversations") or target == request.model:
+        return None
+    request.incoming_model = request.model
+    request.model = target
+    request.body = {**request.body, "model": target}
+    return json.dumps(request.body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def restore_model_name(chunk: bytes, target: str, incoming: str) -> bytes:
+    """A response chunk with ``"model":"<target>"`` (or ``"model": "<target>"``) back to the
+    client's name, byte for byte otherwise (as llm-d-router does; a name split across two
+    chunks of a stream stays as the server wrote it)."""
+    for separator in (":", ": "):
+        old = f'"model"{separator}"{target}"'.encode()
+        if old in chunk:
+            return chunk.replace(old, f'"model"{separator}"{incoming}"'.encode())
+    return chunk
 
 
 def check_body_size(size: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:

@@ -160,10 +160,18 @@ class LLMRequest:
     messages: list[dict[str, Any]] | None = None
     cache_salt: str | None = None
     stream: bool = False
+    # The model the client named, when a rewrite (header or InferenceModelRewrite) sent the
+    # request to ``model`` instead.
+    incoming_model: str | None = None
     # Filled by data producers before filtering: the prompt as the model server will tokenize it.
     prompt_token_ids: list[int] | None = None
     # Per-request data shared between plugins (the Inference Extension's CycleState).
     data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def client_model(self) -> str:
+        """The model name the client sent (metrics' ``model_name``)."""
+        return self.incoming_model or self.model
 
     @property
     def approx_prompt_chars(self) -> int:

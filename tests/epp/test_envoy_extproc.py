@@ -48,6 +48,7 @@ class ScriptedRouter:
     failures: list[tuple[str, int, str]] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # key → the API the EPP parsed
+    models: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # (model, incoming)
 
     def _decide(self, how: str, request: LLMRequest) -> RoutingDecision:
         error = request.headers.get("x-test-error")
@@ -65,6 +66,7 @@ class ScriptedRouter:
         self.in_flight[primary] = self.in_flight.get(primary, 0) + 1
         self.decisions[self._key(request)] = (how, targets)
         self.kinds[self._key(request)] = request.kind
+        self.models[self._key(request)] = (request.model, request.incoming_model)
         return RoutingDecision(request=request, targets=targets)
 
     @staticmethod
@@ -394,6 +396,29 @@ def test_the_api_is_known_by_the_paths_ending_and_a_bad_body_is_refused(
     assert status == 400, reply
     assert b'no "' in reply  # the field the API needs
     assert sum(len(b.received) for b in gateway.stack.backends.values()) == received_before
+
+
+@pytest.mark.parametrize("header", ["x-gateway-model-name-rewrite", "x-llm-d-model-name-rewrite"])
+@pytest.mark.parametrize("mode", ["gateway", "buffered_gateway"])
+def test_the_model_name_rewrite_header_is_applied_end_to_end(
+    request: pytest.FixtureRequest, mode: str, header: str
+) -> None:
+    # The gateway asks for another model than the client named: the pod gets a body naming
+    # the target (with its length), the scheduler sees the target (LoRA affinity, tokenizer),
+    # and the client reads its own model name back in the reply.
+    gateway: Gateway = request.getfixturevalue(mode)
+    key = f"rewrite-{mode}-{header}"
+    body = json.dumps({"model": "alias", "prompt": "héllo", "max_tokens": 3}, ensure_ascii=False)
+    headers = {"x-test-key": key, "x-test-targets": "b1", header: "served-model"}
+    reply = json.loads(gateway.request_ok("POST", "/v1/completions", body.encode(), headers))
+    received = gateway.received("b1", key)
+    forwarded = json.loads(received.body)
+    assert forwarded == {"model": "served-model", "prompt": "héllo", "max_tokens": 3}
+    # The length the pod is told (streamed bodies may arrive chunked, without one) is the new one.
+    assert int(received.headers.get("content-length", len(received.body))) == len(received.body)
+    assert gateway.router.models[key] == ("served-model", "alias")
+    assert reply["model"] == "alias" and reply["backend"] == "b1"
+    gateway.completed(key)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -737,3 +737,53 @@ async def test_serving_freezes_the_start_up_heap_until_the_server_stops() -> Non
     finally:
         await server.stop(grace=None)
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_rewritten_models_stream_reads_the_clients_name_back() -> None:
+    router = RecordingRouter()
+    stream = make_stream(router)
+    headers = {"x-request-id": "rid", "x-gateway-model-name-rewrite": "llama-lora"}
+    assert await stream.handle(request_headers(extra=headers)) == []
+    body = json.dumps({"model": "m", "prompt": "hi", "stream": True}).encode()
+    sent = streamed((await stream.handle(request_body(body)))[1:])
+    assert json.loads(b"".join(c for c, _ in sent)) == {
+        "model": "llama-lora",
+        "prompt": "hi",
+        "stream": True,
+    }
+    (request,) = router.requests
+    assert (request.model, request.incoming_model, request.client_model) == (
+        "llama-lora",
+        "m",
+        "m",
+    )
+    await stream.handle(response_headers(200, "text/event-stream"))
+    chunks = [
+        b'data: {"id":"c","model":"llama-lora","choices":[{"text":"a"}]}\n\n',
+        b'data: {"id":"c", "model": "llama-lora", "choices":[]}\n\n',
+        b'data: {"id":"c","model":"llama-lo',  # split across chunks: left as the server wrote it
+        b'ra","choices":[]}\n\ndata: [DONE]\n\n',
+    ]
+    echoed = []
+    for chunk in chunks:
+        echoed += streamed(await stream.handle(response_body(chunk)), "response_body")
+    assert [c for c, _ in echoed] == [
+        b'data: {"id":"c","model":"m","choices":[{"text":"a"}]}\n\n',
+        b'data: {"id":"c", "model": "m", "choices":[]}\n\n',
+        chunks[2],
+        chunks[3],
+    ]
+
+
+async def test_a_rewrite_to_the_same_model_or_on_a_passthrough_path_changes_nothing() -> None:
+    for path, body in (
+        ("/v1/completions", completion_body()),  # already names "m"
+        ("/tokenize", b'{"model": "m", "prompt": "x"}'),
+    ):
+        router = RecordingRouter()
+        stream = make_stream(router)
+        extra = {"x-request-id": "rid", "x-llm-d-model-name-rewrite": "m"}
+        await stream.handle(request_headers(path, extra=extra))
+        sent = streamed((await stream.handle(request_body(body)))[1:])
+        assert b"".join(c for c, _ in sent) == body
+        assert router.requests[0].incoming_model is None

@@ -92,6 +92,12 @@ async def start_backend(name: str) -> Backend:
             return response
         return web.json_response(
             {
+                # The model it was asked for, as a model server names it in its reply.
+                **(
+                    {"model": document["model"]}
+                    if isinstance(document, dict) and "model" in document
+                    else {}
+                ),
                 "backend": name,
                 "method": request.method,
                 "path": request.path_qs,
