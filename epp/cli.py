@@ -25,6 +25,7 @@ from epp.scraping import (
     DEFAULT_UNREACHABLE_AFTER,
 )
 from epp.server import ServerOptions, serve
+from epp.upstream_flags import add_flags, configure_logging, normalized_argv, notes
 from kvcache.api import client as kv_client
 from scorers.base import Endpoint, PluginContext
 
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads for CPU-heavy request work (tokenizing long prompts)",
     )
 
+    add_flags(s, boolean)
+
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("config_file")
     kv_client.add_parser(sub)
@@ -292,16 +295,19 @@ class _NoEndpoints:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    args = build_parser().parse_args(normalized_argv(sys.argv[1:] if argv is None else argv))
+    try:
+        configure_logging(args)
+    except ValueError as exc:
+        print(f"epp: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "check-config":
             return check_config(args.config_file)
         if args.command == "kv":
             return kv_client.run(args)
+        for line in notes(args):
+            logging.getLogger("epp").warning("%s", line)
         asyncio.run(serve(_options(args)))
         return 0
     except ConfigError as exc:

@@ -180,6 +180,8 @@ class ExtProcSettings:
     # How much of a non-streamed response body is kept to read its ``usage``; larger bodies
     # pass through all the same, their usage is reported as unknown.
     max_usage_scan_bytes: int = 4 * 1024 * 1024
+    # ``--disable-endpoint-subset-filter``: route over the whole pool whatever the proxy hints.
+    ignore_subset_hint: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +433,7 @@ class ExtProcStream:
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
             self.response_body_mode = message.protocol_config.response_body_mode
-        if message.HasField("metadata_context"):
+        if message.HasField("metadata_context") and not self._settings.ignore_subset_hint:
             hint = subset_hint(message.metadata_context)
             if hint is not None:
                 self.subset = hint

@@ -3,7 +3,8 @@ EPP serves it: kubelet probes ask ``liveness`` / ``readiness``; Envoy's health c
 ext_proc service name.
 
 * ``liveness`` is SERVING while the process runs: discovery state must not restart the pod.
-* ``readiness``, ``""`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` are SERVING once
+* ``readiness``, ``""``, ``envoy.service.ext_proc.v3.ExternalProcessor`` and
+  ``inference-extension`` (the Inference Extension chart's probes) are SERVING once
   endpoint discovery has synced and until a drain starts (SIGTERM), so traffic moves to other
   replicas before the ext_proc server stops.
 * Any other service name is SERVICE_UNKNOWN.
@@ -18,7 +19,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 EXTPROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
-_READINESS_SERVICES: Final = frozenset({"readiness", "", EXTPROC_SERVICE})
+# "inference-extension": what the Inference Extension's Helm chart and conformance suite probe
+# (its EPP answers any name by readiness when leader election is off).
+_READINESS_SERVICES: Final = frozenset({"readiness", "", EXTPROC_SERVICE, "inference-extension"})
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN

@@ -95,6 +95,7 @@ class ServerOptions:
     cert_path: str | None = None
     enable_cert_reload: bool = False
     kv_cache_grpc_port: int | None = None
+    disable_endpoint_subset_filter: bool | None = None
 
 
 class EndpointPicker:
@@ -201,7 +202,10 @@ class EndpointPicker:
             self.director,
             port=opts.grpc_port,
             host=opts.host,
-            settings=ExtProcSettings(max_body_bytes=opts.max_body_bytes),
+            settings=ExtProcSettings(
+                max_body_bytes=opts.max_body_bytes,
+                ignore_subset_hint=bool(opts.disable_endpoint_subset_filter),
+            ),
             tls=tls,
             # Envoy's ext_proc cluster health check asks the ext_proc port itself.
             extra_services=(lambda server: add_health_service(server, self.health),),
