@@ -46,6 +46,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import scorers  # noqa: F401  (registers the built-in plugin types)
+from epp.config_sections import (
+    DataLayerSpec,
+    PluginRef,
+    RequestHandlerSpec,
+    data_layer_problems,
+    feature_gates,
+    parser_types,
+    producer_problems,
+    with_token_producer,
+)
 from epp.scheduler import PluginDurationHook, Scheduler, SchedulerProfile, WeightedScorer
 from scorers.base import (
     Filter,
@@ -68,21 +78,10 @@ DEFAULT_PICKER: Final = "max-score-picker"
 DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
 
 IGNORED_TOP_LEVEL_KEYS: Final[Mapping[str, str]] = {
-    "featureGates": "this EPP has no feature gates",
-    "dataLayer": "metrics scraping and discovery are built in (see the --metrics flags)",
     "saturationDetector": "saturation is judged by the load scorers and filters",
     "flowControl": "flow control (request queueing) is not implemented",
-    "requestHandler": "request parsing is built in (OpenAI completions and chat)",
-    "parser": "request parsing is built in (OpenAI completions and chat)",
 }
 """Top-level keys the Inference Extension / llm-d define that this EPP accepts and ignores."""
-
-IGNORED_PLUGIN_TYPES: Final[Mapping[str, str]] = {
-    "metrics-data-source": "model server metrics are scraped natively",
-    "core-metrics-extractor": "model server metrics are scraped natively",
-}
-"""Data-layer plugin types of the Inference Extension's default Helm config whose job this EPP
-does natively: declaring them is accepted (with a warning) so that config loads unchanged."""
 
 DEFAULT_CONFIG_YAML: Final = """\
 # kv-epp's default: route each request where its first token comes soonest, counting what the
@@ -192,8 +191,19 @@ class EndpointPickerConfig(_Strict):
     kind: Literal["EndpointPickerConfig"]
     plugins: list[PluginSpec] = Field(default_factory=list)
     schedulingProfiles: list[SchedulingProfileSpec] = Field(default_factory=list)
+    # llm-d-router's sections (`epp.config_sections`).
+    featureGates: list[str] = Field(default_factory=list)
+    dataLayer: DataLayerSpec | None = None
+    requestHandler: RequestHandlerSpec | None = None
+    parser: PluginRef | None = None  # deprecated upstream: requestHandler.parsers
 
-    @field_validator("plugins", "schedulingProfiles", mode="before")
+    @property
+    def parser_types(self) -> tuple[str, ...]:
+        """The request parsers that run (``requestHandler.parsers``; all by default)."""
+        types = {spec.name: spec.type for spec in self.plugins}
+        return parser_types(self.requestHandler, self.parser, types)[0]
+
+    @field_validator("plugins", "schedulingProfiles", "featureGates", mode="before")
     @classmethod
     def _null_lists_are_empty(cls, value: Any) -> Any:
         return [] if value is None else value
@@ -373,9 +383,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     plugins: list[PluginSpec] = []
     classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
-    ignored: set[str] = set()
 
-    for index, spec in enumerate(config.plugins):
+    for index, spec in enumerate(with_token_producer(config.plugins, source)):
         where = f"plugins[{index}]"
         if spec.name in first_index:
             problems.append(
@@ -384,16 +393,6 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
             )
             continue
         first_index[spec.name] = index
-        if spec.type in IGNORED_PLUGIN_TYPES:
-            logger.warning(
-                "%s: ignoring %s (type %s): %s",
-                source,
-                where,
-                spec.type,
-                IGNORED_PLUGIN_TYPES[spec.type],
-            )
-            ignored.add(spec.name)
-            continue
         try:
             cls = plugin_class(spec.type)
         except PluginConfigError:
@@ -418,7 +417,7 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         cls = classes.get(name)
         return cls is not None and cls.type_name == type_name
 
-    declared = list(dict.fromkeys(s.name for s in config.plugins if s.name not in ignored))
+    declared = list(dict.fromkeys(s.name for s in config.plugins))
     specs = list(config.schedulingProfiles)
     synthesized = not specs
     if synthesized:
@@ -453,13 +452,6 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         for r_index, ref in enumerate(profile.plugins):
             ref_where = f"{where}.plugins[{r_index}].pluginRef"
             name = ref.pluginRef
-            if name in ignored:
-                problems.append(
-                    f"{ref_where}: {name!r} is a data-layer plugin this EPP ignores "
-                    f"({IGNORED_PLUGIN_TYPES.get(_type_of(config, name), '')}); remove it "
-                    "from the profile"
-                )
-                continue
             if name not in first_index:
                 problems.append(
                     f"{ref_where}: {name!r} is not a declared plugin; declared plugins: "
@@ -524,6 +516,12 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
                 f"{handlers[0]!r} ({classes[handlers[0]].type_name}) runs at most {limit}"
             )
 
+    types = {spec.name: spec.type for spec in config.plugins}
+    problems += feature_gates(config.featureGates)[1]
+    if config.dataLayer is not None:
+        problems += data_layer_problems(config.dataLayer, types)
+    problems += parser_types(config.requestHandler, config.parser, types)[1]
+    problems += producer_problems(config.plugins, types)
     if problems:
         raise ConfigError(source, problems)
     return EndpointPickerConfig(
@@ -531,6 +529,10 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         kind=config.kind,
         plugins=plugins,
         schedulingProfiles=profiles,
+        featureGates=config.featureGates,
+        dataLayer=config.dataLayer,
+        requestHandler=config.requestHandler,
+        parser=config.parser,
     )
 
 
@@ -608,7 +610,6 @@ def build_scheduler(
 __all__ = [
     "API_VERSIONS",
     "DEFAULT_CONFIG_YAML",
-    "IGNORED_PLUGIN_TYPES",
     "IGNORED_TOP_LEVEL_KEYS",
     "ConfigError",
     "EndpointPickerConfig",

@@ -73,6 +73,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from epp.requests import (
+    ALL_PARSERS,
     DEFAULT_MAX_BODY_BYTES,
     BadRequestError,
     check_body_size,
@@ -182,6 +183,8 @@ class ExtProcSettings:
     max_usage_scan_bytes: int = 4 * 1024 * 1024
     # ``--disable-endpoint-subset-filter``: route over the whole pool whatever the proxy hints.
     ignore_subset_hint: bool = False
+    # The configuration's ``requestHandler.parsers`` (`epp.requests.parsed_kind`).
+    parsers: frozenset[str] = ALL_PARSERS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +535,7 @@ class ExtProcStream:
             headers=self.headers,
             request_id=self._require_request_id(),
             max_body_bytes=self._settings.max_body_bytes,
+            parsers=self._settings.parsers,
         )
         self._request = request
         target = model_rewrite(self.headers)

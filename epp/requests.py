@@ -110,6 +110,33 @@ def restore_model_name(chunk: bytes, target: str, incoming: str) -> bytes:
     return chunk
 
 
+# Which parser plugin (``requestHandler.parsers``) handles each API; "other" is passthrough's.
+PARSER_OF_KIND: Final[Mapping[str, str]] = {
+    "completions": "openai-parser",
+    "chat": "openai-parser",
+    "responses": "openai-parser",
+    "embeddings": "openai-parser",
+    "conversations": "openai-parser",
+    "messages": "anthropic-parser",
+    "other": "passthrough-parser",
+}
+ALL_PARSERS: Final = frozenset(PARSER_OF_KIND.values())
+
+
+def parsed_kind(path: str, parsers: frozenset[str] = ALL_PARSERS) -> RequestKind:
+    """The API a request is parsed as with only ``parsers`` configured: its own parser's, else
+    passthrough when configured; a path no configured parser claims is a `BadRequestError`."""
+    kind = request_kind(path)
+    if PARSER_OF_KIND[kind] in parsers:
+        return kind
+    if "passthrough-parser" in parsers:
+        return "other"
+    raise BadRequestError(
+        f"no configured parser handles {path.split('?', 1)[0]} (requestHandler.parsers: "
+        f"{', '.join(sorted(parsers))})"
+    )
+
+
 def check_body_size(size: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Raise `BadRequestError` when a body of ``size`` bytes is over the limit."""
     if size > max_body_bytes:
@@ -133,10 +160,12 @@ def parse_request(
     headers: Mapping[str, str],
     request_id: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    parsers: frozenset[str] = ALL_PARSERS,
 ) -> LLMRequest:
-    """Parse a complete request body into an `LLMRequest`, or raise `BadRequestError`."""
+    """Parse a complete request body into an `LLMRequest`, or raise `BadRequestError`;
+    ``parsers``: the parser plugins configured (`parsed_kind`)."""
     check_body_size(len(body), max_body_bytes)
-    kind = request_kind(path)
+    kind = parsed_kind(path, parsers)
     if kind == "other":
         return _other_request(body, path=path, headers=headers, request_id=request_id)
 

@@ -115,7 +115,7 @@ class EndpointPicker:
         self.context = PluginContext(
             endpoints=self.datastore, executor=self.executor, saw_alive=self.datastore.saw_alive
         )
-        config = load_config(
+        config = self.config = load_config(
             Path(options.config_file) if options.config_file else None, text=options.config_text
         )
         self.scheduler: Scheduler = build_scheduler(
@@ -205,6 +205,7 @@ class EndpointPicker:
             settings=ExtProcSettings(
                 max_body_bytes=opts.max_body_bytes,
                 ignore_subset_hint=bool(opts.disable_endpoint_subset_filter),
+                parsers=frozenset(self.config.parser_types),
             ),
             tls=tls,
             # Envoy's ext_proc cluster health check asks the ext_proc port itself.

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from indexer.hashing import HASH_ALGOS
 from indexer.index import DEFAULT_MAX_ENTRIES
+from kvcache import llmd_settings
+
+logger = logging.getLogger(__name__)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -87,8 +91,10 @@ class KVBlockIndexSettings(BaseModel):
 class KVCacheSettings(BaseModel):
     """How to build one KV-cache view: the pods' hashing settings, the tokenizers, the index's
     bounds and checks, where events come from.  Defaults match vLLM's own, so a fleet started
-    without prefix-caching flags works unchanged.  ``precise-prefix-cache-scorer`` takes these
-    as its parameters (llm-d's key names); scorers configured alike share one view."""
+    without prefix-caching flags works unchanged.  ``precise-prefix-cache-scorer`` and
+    ``precise-prefix-cache-producer`` take these as their parameters (llm-d's key names; its
+    nested ``tokenProcessorConfig`` / ``indexerConfig`` / ``kvEventsConfig`` shape is read too,
+    `kvcache.llmd_settings`); plugins configured alike share one view."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -139,6 +145,17 @@ class KVCacheSettings(BaseModel):
     """How long a prediction lives, in seconds or as a duration (``"2s"``, llm-d's default).
     Long enough to cover the decision-to-event gap (queueing + the first prefill chunk + event
     delivery); too long and a prediction outlives a prefill that never happened."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llmd_nested_shape(cls, data: Any) -> Any:
+        """llm-d-router's ``tokenProcessorConfig`` / ``indexerConfig`` / ``kvEventsConfig``
+        (`kvcache.llmd_settings`), read into the keys above."""
+        if not isinstance(data, dict) or not any(k in data for k in llmd_settings.NESTED_KEYS):
+            return data
+        for line in llmd_settings.accepted_keys(data):
+            logger.info("precise prefix cache: %s", line)
+        return llmd_settings.translate(data)
 
     @field_validator("speculativeTTL", mode="before")
     @classmethod

@@ -5,6 +5,7 @@ One module per plugin family; a new plugin is a new module here plus one import 
 
 from scorers import (
     affinity,
+    data_layer,
     dynamo_cost,
     filters,
     load,
@@ -19,6 +20,7 @@ from scorers import (
 
 __all__ = [
     "affinity",
+    "data_layer",
     "dynamo_cost",
     "filters",
     "load",

@@ -40,6 +40,8 @@ from scorers.request_data import (
     PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     PREFIX_TOTAL_BLOCKS,
+    PrefixMatchInfo,
+    prefix_match_info_key,
     record_prefix_matches,
 )
 
@@ -102,6 +104,9 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
         request.data[KV_CACHED_TOKENS] = {a: n * block_size for a, n in found.held_blocks.items()}
         total = len(keys)
         request.data[_SCORES] = {a: found.weighted[a] / total for a, n in found.blocks.items() if n}
+        request.data[prefix_match_info_key(self.name)] = PrefixMatchInfo(
+            found.blocks, found.weighted, total, block_size
+        )
         record_prefix_matches(request, found.blocks)
         tokens: dict[str, int] = request.data.setdefault(PREFIX_MATCHED_TOKENS, {})
         for address, count in found.blocks.items():
@@ -176,3 +181,11 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
                 return  # not tokenized here: no way to tell what the pod held
             held = indexed.get(endpoint, 0)
         view.completed(endpoint, routed_at, usage.prompt_tokens, held)
+
+
+@register("precise-prefix-cache-producer")
+class PrecisePrefixCacheProducer(PrecisePrefixCacheScorer):
+    """llm-d-router's name for the same work as a data producer: its match goes to
+    ``request.data`` (`scorers.request_data.PrefixMatchInfo`, under this plugin's name) for a
+    ``prefix-cache-scorer`` whose ``prefixMatchInfoProducerName`` names it, or for any plugin
+    reading the prefix data (``prefill-cost-scorer``)."""

@@ -1,4 +1,10 @@
-"""``prefix-cache-scorer``: the Inference Extension's approximate prefix-cache scorer.
+"""``prefix-cache-scorer``: the Inference Extension's approximate prefix-cache scorer, or, with
+``prefixMatchInfoProducerName``, llm-d-router's scorer of a precise producer's match.
+
+With a producer named (``token-producer`` → ``precise-prefix-cache-producer`` →
+``prefix-cache-scorer``), the score of an endpoint is the producer's tier-weighted matched
+blocks over the request's blocks, blended with the matched length when ``matchLengthWeight``
+is set; the approximate index below is not used.  Without one:
 
 It never sees the model servers' caches; it remembers where it sent each prompt prefix and
 assumes the prefix is still cached there, up to a per-endpoint capacity.  The prompt text is cut
@@ -32,8 +38,16 @@ from typing import Any
 import xxhash
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginContext, SchedulingResult, register
-from scorers.request_data import record_prefix_matches
+from scorers.base import (
+    CHARS_PER_TOKEN_ESTIMATE,
+    Endpoint,
+    LLMRequest,
+    Plugin,
+    PluginContext,
+    SchedulingResult,
+    register,
+)
+from scorers.request_data import PrefixMatchInfo, prefix_match_info_key, record_prefix_matches
 
 _xxh64 = xxhash.xxh64_intdigest
 
@@ -241,6 +255,22 @@ class PrefixCacheParameters(BaseModel):
         description="Blocks remembered per endpoint (31250: ~500k tokens of Llama-3-8B KV on an "
         "80 GB H100 in vLLM's 16-token blocks).",
     )
+    prefixMatchInfoProducerName: str = Field(
+        default="",
+        description="llm-d-router's split pipeline: the name of a precise-prefix-cache-producer "
+        "whose match this scorer scores, instead of its own approximate index.",
+    )
+    matchLengthWeight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the score given to the matched length in tokens (llm-d-router): "
+        "w * min(1, matched tokens / matchLengthScaleTokens)^2 + (1 - w) * matched blocks / "
+        "blocks.",
+    )
+    matchLengthScaleTokens: int = Field(
+        default=8192, gt=0, description="Matched tokens that earn the full length score."
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -264,6 +294,9 @@ class PrefixCacheScorer(Plugin[PrefixCacheParameters]):
         self.max_blocks = self.p.maxPrefixBlocksToMatch
         self.index = PrefixBlockIndex(self.p.lruCapacityPerServer)
         self._state_key = f"{self.type_name}/{name}"
+        # With a producer named, this scorer only scores the producer's match.
+        producer = self.p.prefixMatchInfoProducerName
+        self._producer_key = prefix_match_info_key(producer) if producer else None
 
     def request_hashes(self, request: LLMRequest) -> list[int]:
         data = prompt_bytes(request, self.block_size * self.max_blocks)
@@ -281,17 +314,46 @@ class PrefixCacheScorer(Plugin[PrefixCacheParameters]):
         return state
 
     async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        self._state(request)
+        if self._producer_key is None:
+            self._state(request)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        if self._producer_key is not None:
+            info: PrefixMatchInfo | None = request.data.get(self._producer_key)
+            if info is None or info.total_blocks == 0:
+                return {e.address: 0.0 for e in endpoints}
+            weighted, total, block = info.weighted_blocks, info.total_blocks, info.block_size
+            return {
+                e.address: self._blend(
+                    weighted.get(e.address, 0.0) / total,
+                    info.matched_blocks.get(e.address, 0) * block,
+                )
+                for e in endpoints
+            }
         state = self._state(request)
         total = len(state.hashes)
         if total == 0:
             return {e.address: 0.0 for e in endpoints}
         matched = state.matched
-        return {e.address: matched.get(e.address, 0) / total for e in endpoints}
+        chars = self.block_size  # approximate blocks are bytes of prompt: ~4 per token
+        return {
+            e.address: self._blend(
+                matched.get(e.address, 0) / total,
+                matched.get(e.address, 0) * chars // CHARS_PER_TOKEN_ESTIMATE,
+            )
+            for e in endpoints
+        }
+
+    def _blend(self, share: float, tokens: int) -> float:
+        weight = self.p.matchLengthWeight
+        if not weight:
+            return share
+        length = min(1.0, tokens / self.p.matchLengthScaleTokens) ** 2
+        return weight * length + (1.0 - weight) * share
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        if self._producer_key is not None:
+            return  # the producer's pods publish what they cache
         state = self._state(request)
         if not state.hashes:
             return

@@ -43,6 +43,13 @@ PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     How many full blocks the request's prompt has, in the unit of PREFIX_MATCHED_BLOCKS of the
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
 
+PREFIX_MATCH_INFO (``"prefix.match_info/<producer name>"``, see `prefix_match_info_key`): `PrefixMatchInfo`
+    One precise prefix producer's match for the request: per endpoint, the leading blocks it
+    holds (and tier-weighted), the request's full blocks and the block size.  Written by
+    ``precise-prefix-cache-producer`` (and ``precise-prefix-cache-scorer``) under its own
+    plugin name; read by ``prefix-cache-scorer`` when its ``prefixMatchInfoProducerName``
+    names that producer (llm-d-router's split pipeline).
+
 RESPONSE_TIMING (``"response.timing"``): `ResponseTiming`
     When the request was routed, produced its first response byte and finished, on the EPP's
     clock (``PluginContext.clock``).  Written by the director on the response path, before the
@@ -69,7 +76,23 @@ PREFIX_TOTAL_BLOCKS: Final = "prefix.total_blocks"
 PREFIX_BLOCK_KEYS: Final = "precise-prefix.keys"
 KV_CACHED_TOKENS: Final = "kv.cached_tokens"
 SESSION_TOKEN: Final = "session-token"
+PREFIX_MATCH_INFO: Final = "prefix.match_info/"
 RESPONSE_TIMING: Final = "response.timing"
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixMatchInfo:
+    """A prefix producer's answer for one request (see PREFIX_MATCH_INFO)."""
+
+    matched_blocks: Mapping[str, int]  # endpoint → consecutive leading blocks it holds
+    weighted_blocks: Mapping[str, float]  # the same, each block weighed by its best tier
+    total_blocks: int
+    block_size: int  # tokens per block
+
+
+def prefix_match_info_key(producer: str) -> str:
+    """The ``request.data`` key of ``producer``'s `PrefixMatchInfo`."""
+    return PREFIX_MATCH_INFO + producer
 
 
 @dataclass(slots=True)

@@ -229,7 +229,8 @@ def test_inference_extension_helm_default_loads_unchanged(
         ]
     }
     assert types(config)["single-profile-handler"] == "single-profile-handler"
-    assert "metrics-data-source" in caplog.text and "core-metrics-extractor" in caplog.text
+    assert types(config)["metrics-data-source"] == "metrics-data-source"
+    assert "ignoring" not in caplog.text  # built in here: declared, not dropped
 
 
 def test_llm_d_style_config_with_old_names() -> None:
@@ -269,22 +270,170 @@ def test_llm_d_style_config_with_old_names() -> None:
     ]
 
 
-def test_tolerated_top_level_keys_are_ignored_with_a_warning(
+def test_not_implemented_top_level_sections_are_ignored_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
         config = load(
             """
-            featureGates: [prepareDataPlugins]
-            dataLayer: {sources: []}
             saturationDetector: {queueDepthThreshold: 5}
             plugins:
             - type: queue-scorer
             """
         )
     assert layout(config)["default"][0] == ("queue-scorer", 1.0)
-    for key in ("featureGates", "dataLayer", "saturationDetector"):
-        assert f"ignoring top-level key '{key}'" in caplog.text
+    assert "ignoring top-level key 'saturationDetector'" in caplog.text
+
+
+def test_feature_gates_are_llm_d_routers() -> None:
+    config = load(
+        "featureGates: [haPopulateNonLeaderDatastore=false]\nplugins: [{type: queue-scorer}]"
+    )
+    assert config.featureGates == ["haPopulateNonLeaderDatastore=false"]
+    assert problems("featureGates: [prepareDataPlugins]\nplugins: [{type: queue-scorer}]") == (
+        "featureGates[0]: feature gate 'prepareDataPlugins' is unknown; known: flowControl, "
+        "haPopulateNonLeaderDatastore",
+    )
+    (problem,) = problems("featureGates: [flowControl]\nplugins: [{type: queue-scorer}]")
+    assert problem.startswith("featureGates: flowControl is not implemented")
+
+
+def test_data_layer_sources_and_extractors_must_be_what_runs_here() -> None:
+    declared = """
+        plugins:
+        - type: metrics-data-source
+        - type: core-metrics-extractor
+        - type: endpoint-notification-source
+        - type: precise-prefix-cache-producer
+        - type: queue-scorer
+        """
+    good = load(
+        declared
+        + """
+        dataLayer:
+          sources:
+          - pluginRef: metrics-data-source
+            extractors: [{pluginRef: core-metrics-extractor}]
+          - pluginRef: endpoint-notification-source
+            extractors: [{pluginRef: precise-prefix-cache-producer}]
+        """
+    )
+    assert good.dataLayer is not None and len(good.dataLayer.sources) == 2
+    assert problems(
+        declared
+        + """
+        dataLayer:
+          discovery: {pluginRef: file-discovery}
+          sources:
+          - pluginRef: metrics-data-source
+            extractors: [{pluginRef: precise-prefix-cache-producer}]
+          - pluginRef: queue-scorer
+          - pluginRef: nowhere
+        """
+    ) == (
+        "dataLayer.discovery: endpoints come from the InferencePool (--pool-name), --endpoints "
+        "or --endpoints-file here",
+        "dataLayer.sources[0].extractors[0].pluginRef: 'precise-prefix-cache-producer' "
+        "(precise-prefix-cache-producer) does not read metrics-data-source; it reads: "
+        "core-metrics-extractor",
+        "dataLayer.sources[1].pluginRef: 'queue-scorer' (queue-scorer) is not a data source "
+        "here; sources: metrics-data-source, endpoint-notification-source",
+        "dataLayer.sources[2].pluginRef: 'nowhere' is not a declared plugin",
+    )
+    (problem,) = problems("plugins:\n- type: metrics-data-source\n  parameters: {path: /stats}")
+    assert problem.startswith("plugins[0].parameters.path:")
+
+
+def test_request_handler_chooses_the_parsers() -> None:
+    config = load(
+        """
+        plugins:
+        - type: openai-parser
+        - type: queue-scorer
+        requestHandler:
+          parsers: [{pluginRef: openai-parser}]
+        """
+    )
+    assert config.parser_types == ("openai-parser",)
+    assert load("plugins: [{type: queue-scorer}]").parser_types == (
+        "openai-parser",
+        "anthropic-parser",
+        "passthrough-parser",
+    )
+    deprecated = load(
+        "plugins: [{type: passthrough-parser}, {type: queue-scorer}]\n"
+        "parser: {pluginRef: passthrough-parser}"
+    )
+    assert deprecated.parser_types == ("passthrough-parser",)
+    assert problems(
+        "plugins: [{type: queue-scorer}]\nrequestHandler: {parsers: [{pluginRef: queue-scorer}]}"
+    ) == (
+        "requestHandler.parsers[0].pluginRef: 'queue-scorer' (queue-scorer) is not a parser; "
+        "parsers: openai-parser, anthropic-parser, passthrough-parser",
+    )
+
+
+def test_llm_d_router_split_precise_pipeline_loads_and_wires() -> None:
+    """llm-d-router's deploy/config/epp-precise-prefix-cache-config.yaml shape (our copy):
+    token-producer → precise-prefix-cache-producer → prefix-cache-scorer."""
+    config = load(
+        """
+        plugins:
+          - type: token-producer
+            parameters:
+              modelName: /models/llama
+              vllm: {url: "http://localhost:8000"}
+          - type: endpoint-notification-source
+          - type: metrics-data-source
+          - type: core-metrics-extractor
+          - type: single-profile-handler
+          - type: decode-filter
+          - type: precise-prefix-cache-producer
+            parameters:
+              tokenProcessorConfig: {blockSize: 64, hashSeed: "42"}
+              indexerConfig:
+                kvBlockIndexConfig: {enableMetrics: true}
+                kvCacheBackendConfigs: [{name: gpu, weight: 1.0}, {name: cpu, weight: 0.8}]
+          - type: prefix-cache-scorer
+            parameters:
+              prefixMatchInfoProducerName: precise-prefix-cache-producer
+          - type: kv-cache-utilization-scorer
+          - type: queue-scorer
+          - type: max-score-picker
+        dataLayer:
+          sources:
+            - pluginRef: metrics-data-source
+              extractors: [{pluginRef: core-metrics-extractor}]
+            - pluginRef: endpoint-notification-source
+              extractors: [{pluginRef: precise-prefix-cache-producer}]
+        schedulingProfiles:
+          - name: default
+            plugins:
+              - pluginRef: decode-filter
+              - pluginRef: prefix-cache-scorer
+                weight: 2.0
+              - pluginRef: kv-cache-utilization-scorer
+                weight: 1.0
+              - pluginRef: queue-scorer
+                weight: 1.0
+              - pluginRef: max-score-picker
+        """,
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n",
+    )
+    producer = next(s for s in config.plugins if s.type == "precise-prefix-cache-producer")
+    assert producer.parameters["tokenizer"] == "/models/llama"  # from the token producer
+    scheduler = build_scheduler(config, context())
+    view = scheduler.plugin("precise-prefix-cache-producer").view  # type: ignore[attr-defined]
+    assert (view.settings.blockSize, view.settings.hashSeed) == (64, "42")
+    assert view.settings.tierWeights == {"GPU": 1.0, "CPU": 0.8}
+    assert problems(
+        "plugins:\n- type: prefix-cache-scorer\n  parameters: {prefixMatchInfoProducerName: x}"
+    ) == ("plugins[0].parameters.prefixMatchInfoProducerName: 'x' is not a declared plugin",)
+    (problem,) = problems(
+        "plugins:\n- type: precise-prefix-cache-producer\n  parameters:\n"
+        "    tokenProcessorConfig: {hashAlgorithm: xxh64}"
+    )
+    assert "hashAlgorithm chooses llm-d's own request-key hash" in problem
 
 
 async def test_built_scheduler_schedules() -> None:
@@ -443,7 +592,8 @@ def test_unknown_keys_are_rejected_with_what_is_allowed() -> None:
     assert found == (
         "plugins[0].params: unknown key; expected one of: name, type, parameters",
         "schedulingProfiles[0].plugins[0].wieght: unknown key; expected one of: pluginRef, weight",
-        "plugin: unknown key; expected one of: apiVersion, kind, plugins, schedulingProfiles",
+        "plugin: unknown key; expected one of: apiVersion, kind, plugins, schedulingProfiles, "
+        "featureGates, dataLayer, requestHandler, parser",
     )
 
 
@@ -571,11 +721,11 @@ def test_several_profiles_need_a_handler() -> None:
         ),
         (
             "metrics-data-source",
-            "is a data-layer plugin this EPP ignores (model server metrics are scraped natively); "
-            "remove it from the profile",
+            "(metrics-data-source) is not a filter, scorer or picker, so it cannot be part of a "
+            "profile; it runs for every request once declared in plugins",
         ),
     ],
-    ids=["profile-handler", "ignored-data-layer-plugin"],
+    ids=["profile-handler", "data-layer-plugin"],
 )
 def test_plugin_type_that_cannot_be_in_a_profile(plugin_type: str, why: str) -> None:
     (problem,) = problems(

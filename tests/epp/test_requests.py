@@ -244,3 +244,16 @@ def test_request_without_body() -> None:
     assert request_without_body(path="/v1/completions", headers={}, request_id="r").kind == (
         "completions"
     )
+
+
+def test_only_the_configured_parsers_parse() -> None:
+    from epp.requests import parsed_kind
+
+    openai_only = frozenset({"openai-parser"})
+    assert parsed_kind("/v1/chat/completions", openai_only) == "chat"
+    with pytest.raises(BadRequestError, match="no configured parser handles /v1/messages"):
+        parsed_kind("/v1/messages?beta=1", openai_only)
+    with_passthrough = frozenset({"openai-parser", "passthrough-parser"})
+    assert parsed_kind("/v1/messages", with_passthrough) == "other"
+    request = parse({"model": "m"}, path="/v1/messages", parsers=frozenset({"passthrough-parser"}))
+    assert (request.kind, request.model) == ("other", "m")  # forwarded unjudged

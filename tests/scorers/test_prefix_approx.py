@@ -193,3 +193,35 @@ def test_endpoint_removed_drops_its_history() -> None:
     scorer.endpoint_removed(a)
     assert scorer.score(request("r2", prompt=PROMPT), [a]) == {"a:1": 0.0}
     assert len(scorer.index) == 0
+
+
+async def test_with_a_producer_named_it_scores_the_producers_match() -> None:
+    from scorers.request_data import PrefixMatchInfo, prefix_match_info_key
+
+    scorer = make("prefix-cache-scorer", {"prefixMatchInfoProducerName": "precise"})
+    a, b, c = endpoint("10.0.0.1:8000"), endpoint("10.0.0.2:8000"), endpoint("10.0.0.3:8000")
+    req = request(prompt="x" * 400)
+    await scorer.prepare(req, [a, b, c])  # no approximate index of its own
+    assert scorer.score(req, [a, b]) == {a.address: 0.0, b.address: 0.0}  # no match produced
+    req.data[prefix_match_info_key("precise")] = PrefixMatchInfo(
+        matched_blocks={a.address: 8, b.address: 2},
+        weighted_blocks={a.address: 8.0, b.address: 1.6},  # b's blocks on CPU (0.8)
+        total_blocks=10,
+        block_size=16,
+    )
+    assert scorer.score(req, [a, b, c]) == {a.address: 0.8, b.address: 0.16, c.address: 0.0}
+    scorer.pre_request(req, result_for(a))
+    assert len(scorer.index) == 0  # the producer's pods publish what they cache
+
+    blended = make(
+        "prefix-cache-scorer",
+        {
+            "prefixMatchInfoProducerName": "precise",
+            "matchLengthWeight": 0.5,
+            "matchLengthScaleTokens": 256,
+        },
+    )
+    # a: 8 blocks × 16 = 128 tokens → (128/256)^2 = 0.25; 0.5 × 0.25 + 0.5 × 0.8
+    assert blended.score(req, [a])[a.address] == pytest.approx(0.525)
+    with pytest.raises(PluginConfigError, match="matchLengthWeight"):
+        make("prefix-cache-scorer", {"matchLengthWeight": 2})

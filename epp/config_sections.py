@@ -1,0 +1,205 @@
+"""llm-d-router's top-level sections of an EndpointPickerConfig beyond plugins and profiles:
+``featureGates``, ``dataLayer``, ``requestHandler`` (and its deprecated form ``parser``), and
+the references between plugins its split prefix pipeline uses.
+
+* ``featureGates``: a list of ``name`` / ``name=true|false``.  llm-d-router registers two:
+  ``flowControl`` (off by default; on is an error here, flow control is not implemented) and
+  ``haPopulateNonLeaderDatastore`` (on by default; every replica here keeps its own datastore,
+  so either value describes it).  An unknown gate is an error, as upstream.
+* ``dataLayer``: ``sources`` with their ``extractors``, each a declared plugin: a
+  ``metrics-data-source`` with ``core-metrics-extractor``, an ``endpoint-notification-source``
+  with a precise prefix plugin (its KV-event subscriptions follow the endpoints).  That is what
+  this EPP does built in, so other pairings, and ``discovery`` (use the InferencePool,
+  ``--endpoints`` or ``--endpoints-file``), are errors.  ``injectDefaults`` is accepted.
+* ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
+  ``passthrough-parser``, each declared); default all three, as llm-d-router's default list
+  (less its ``vllmhttp-parser``, not offered).
+* ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared precise prefix
+  producer; a ``token-producer``'s ``modelName`` becomes the ``tokenizer`` of every precise
+  prefix plugin that names none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+
+FEATURE_GATES: Final[Mapping[str, bool]] = {
+    "flowControl": False,
+    "haPopulateNonLeaderDatastore": True,
+}
+PARSER_TYPES: Final = ("openai-parser", "anthropic-parser", "passthrough-parser")
+PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
+# Which data sources feed which extractors here (what this EPP does built in).
+_EXTRACTORS: Final[Mapping[str, tuple[str, ...]]] = {
+    "metrics-data-source": ("core-metrics-extractor",),
+    "endpoint-notification-source": PRECISE_TYPES,
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PluginRef(_Strict):
+    pluginRef: str
+
+
+class DataSourceSpec(_Strict):
+    pluginRef: str
+    extractors: list[PluginRef] = Field(default_factory=list)
+
+
+class DataLayerSpec(_Strict):
+    sources: list[DataSourceSpec] = Field(default_factory=list)
+    discovery: PluginRef | None = None
+    injectDefaults: bool = True
+
+
+class RequestHandlerSpec(_Strict):
+    parsers: list[PluginRef] = Field(default_factory=list)
+
+
+def feature_gates(gates: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
+    """The gates' values and the problems with them."""
+    values = dict(FEATURE_GATES)
+    problems = []
+    for i, gate in enumerate(gates):
+        name, _, text = gate.partition("=")
+        name = name.strip()
+        value = text.strip().lower() if text else "true"
+        if name not in FEATURE_GATES:
+            problems.append(
+                f"featureGates[{i}]: feature gate {name!r} is unknown; known: "
+                f"{', '.join(FEATURE_GATES)}"
+            )
+            continue
+        if value not in ("true", "false", "1", "0"):
+            problems.append(f"featureGates[{i}]: {gate!r}: the value must be true or false")
+            continue
+        values[name] = value in ("true", "1")
+    if values["flowControl"]:
+        problems.append(
+            "featureGates: flowControl is not implemented in this EPP (overload is handled by "
+            "--max-in-flight-per-endpoint and --admission-mode); remove the gate"
+        )
+    return values, problems
+
+
+def data_layer_problems(spec: DataLayerSpec, types: Mapping[str, str]) -> list[str]:
+    """``types``: declared plugin name → type."""
+    problems = []
+    if spec.discovery is not None:
+        problems.append(
+            "dataLayer.discovery: endpoints come from the InferencePool (--pool-name), "
+            "--endpoints or --endpoints-file here"
+        )
+    for i, source in enumerate(spec.sources):
+        where = f"dataLayer.sources[{i}]"
+        kind = types.get(source.pluginRef)
+        if kind is None:
+            problems.append(f"{where}.pluginRef: {source.pluginRef!r} is not a declared plugin")
+            continue
+        if kind not in _EXTRACTORS:
+            problems.append(
+                f"{where}.pluginRef: {source.pluginRef!r} ({kind}) is not a data source here; "
+                f"sources: {', '.join(_EXTRACTORS)}"
+            )
+            continue
+        for j, extractor in enumerate(source.extractors):
+            extractor_type = types.get(extractor.pluginRef)
+            if extractor_type is None:
+                problems.append(
+                    f"{where}.extractors[{j}].pluginRef: {extractor.pluginRef!r} is not a "
+                    "declared plugin"
+                )
+            elif extractor_type not in _EXTRACTORS[kind]:
+                problems.append(
+                    f"{where}.extractors[{j}].pluginRef: {extractor.pluginRef!r} "
+                    f"({extractor_type}) does not read {kind}; it reads: "
+                    f"{', '.join(_EXTRACTORS[kind])}"
+                )
+    return problems
+
+
+def parser_types(
+    handler: RequestHandlerSpec | None, parser: PluginRef | None, types: Mapping[str, str]
+) -> tuple[tuple[str, ...], list[str]]:
+    """The parser types that run, and the problems with the references."""
+    if handler is not None and parser is not None:
+        return PARSER_TYPES, ["set requestHandler.parsers or parser (deprecated), not both"]
+    refs = handler.parsers if handler is not None else [parser] if parser is not None else []
+    if not refs:
+        return PARSER_TYPES, []
+    chosen, problems = [], []
+    for i, ref in enumerate(refs):
+        where = f"requestHandler.parsers[{i}]" if handler is not None else "parser"
+        kind = types.get(ref.pluginRef)
+        if kind is None:
+            problems.append(f"{where}.pluginRef: {ref.pluginRef!r} is not a declared plugin")
+        elif kind not in PARSER_TYPES:
+            problems.append(
+                f"{where}.pluginRef: {ref.pluginRef!r} ({kind}) is not a parser; parsers: "
+                f"{', '.join(PARSER_TYPES)}"
+            )
+        else:
+            chosen.append(kind)
+    return tuple(dict.fromkeys(chosen)), problems
+
+
+def producer_problems(plugins: Sequence[Any], types: Mapping[str, str]) -> list[str]:
+    """``prefixMatchInfoProducerName`` references (``plugins``: the declared `PluginSpec`s)."""
+    problems = []
+    for i, spec in enumerate(plugins):
+        producer = (spec.parameters or {}).get("prefixMatchInfoProducerName")
+        if not producer:
+            continue
+        where = f"plugins[{i}].parameters.prefixMatchInfoProducerName"
+        kind = types.get(producer)
+        if kind is None:
+            problems.append(f"{where}: {producer!r} is not a declared plugin")
+        elif kind not in PRECISE_TYPES:
+            problems.append(
+                f"{where}: {producer!r} ({kind}) is not a prefix producer; producers: "
+                f"{', '.join(PRECISE_TYPES)}"
+            )
+    return problems
+
+
+def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:
+    """``plugins`` with a ``token-producer``'s ``modelName`` as the ``tokenizer`` of each
+    precise prefix plugin that names none (llm-d-router's producers take their tokens from the
+    token producer)."""
+    models = [
+        (spec.parameters or {}).get("modelName")
+        for spec in plugins
+        if spec.type == "token-producer"
+    ]
+    model = next((m for m in models if m), None)
+    if model is None:
+        return list(plugins)
+    out = []
+    for spec in plugins:
+        params = dict(spec.parameters or {})
+        if (
+            spec.type in PRECISE_TYPES
+            and not params.get("tokenizer")
+            and not params.get("tokenizers")
+        ):
+            params["tokenizer"] = model
+            spec = spec.model_copy(update={"parameters": params})
+        elif spec.type == "token-producer" and params.get("vllm"):
+            logger.info(
+                "%s: token-producer: prompts are tokenized in this EPP with %s's tokenizer and "
+                "chat template (the ids vLLM's /render at %s gives)",
+                source,
+                model,
+                params["vllm"].get("url", "the pod"),
+            )
+        out.append(spec)
+    return out
