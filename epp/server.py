@@ -39,7 +39,8 @@ from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore
 from epp.director import Director
 from epp.discovery import Discovery
-from epp.discovery.kubernetes import KubernetesDiscovery, PoolRef
+from epp.discovery.kubernetes import KubernetesDiscovery
+from epp.discovery.pool import PoolRef
 from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.gauges import GaugeSample

@@ -17,9 +17,9 @@ from kubernetes import client
 
 from epp.datastore import Datastore
 from epp.discovery import DiscoveryError
-from epp.discovery.kubernetes import (
+from epp.discovery.kubernetes import KubernetesDiscovery
+from epp.discovery.pool import (
     POOL_GROUP_ALPHA,
-    KubernetesDiscovery,
     PoolRef,
     PoolSpec,
     parse_pool,
