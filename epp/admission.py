@@ -142,9 +142,13 @@ class AdmissionController:
                 open_.append(ep)
         return open_ if room > self._reserved else []
 
-    async def admit(self, candidates: Callable[[], list[Endpoint]]) -> list[Endpoint]:
+    async def admit(
+        self, candidates: Callable[[], list[Endpoint]], *, sheddable: bool = False
+    ) -> list[Endpoint]:
         """The candidates this request may be scheduled on.  ``candidates`` is called again
-        after each wait, since endpoints come and go.  Raises `PoolSaturatedError`."""
+        after each wait, since endpoints come and go.  A ``sheddable`` request (an
+        InferenceObjective's negative priority) is refused rather than queued.  Raises
+        `PoolSaturatedError`."""
         settings = self.settings
         if settings.max_in_flight_per_endpoint is None:
             return candidates()
@@ -155,7 +159,7 @@ class AdmissionController:
             open_ = self._open(current)
             if open_:
                 return self._admitted(open_)
-        if settings.mode == "reject":
+        if settings.mode == "reject" or sheddable:
             return self._reject(
                 REJECTED_SATURATED,
                 f"every endpoint is at its limit of {settings.max_in_flight_per_endpoint} "

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from epp.admission import AdmissionController
 from epp.datastore import Datastore, InFlightRequest
 from epp.extproc import RoutingDecision
+from epp.request_rules import RequestRules
+from epp.requests import rewrite_model
 from epp.scheduler import Scheduler
 from epp.telemetry import Telemetry
 from scorers.base import Endpoint, LLMRequest, NoReadyEndpointsError, SchedulingError, Usage
@@ -72,11 +74,13 @@ class Director:
         scheduler: Scheduler,
         telemetry: Telemetry | None = None,
         admission: AdmissionController | None = None,
+        rules: RequestRules | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.telemetry = telemetry
         self.admission = admission or AdmissionController()
+        self.rules = rules  # InferenceModelRewrites and InferenceObjectives (with a pool)
         # time.monotonic() of the last request routed or refused; the server's drain reads it.
         self.last_request_at: float | None = None
 
@@ -88,9 +92,13 @@ class Director:
 
     async def route(self, request: LLMRequest, subset: frozenset[str] | None) -> RoutingDecision:
         self.last_request_at = time.monotonic()
+        if self.rules is not None:
+            self._apply_rules(request, self.rules)
         admission = self.admission
         try:
-            candidates = await admission.admit(lambda: self.candidates(subset))
+            candidates = await admission.admit(
+                lambda: self.candidates(subset), sheddable=request.priority < 0
+            )
         except SchedulingError:
             self._count_attempt("failure")
             raise
@@ -124,6 +132,21 @@ class Director:
                 1000 * (time.perf_counter() - started),
             )
         return self._track(request, targets, len(candidates))
+
+    def _apply_rules(self, request: LLMRequest, rules: RequestRules) -> None:
+        """The request's objective priority, and the model an InferenceModelRewrite sends it
+        to (over a rewrite header, as upstream)."""
+        request.priority = rules.priority(request.headers)
+        if request.kind in ("other", "conversations"):
+            return  # no model in the body to rewrite (passed through)
+        chosen = rules.rewrite(request.client_model)
+        if chosen is None:
+            return
+        name, target = chosen
+        client = request.client_model
+        rewrite_model(request, target)
+        if self.telemetry is not None:
+            self.telemetry.model_rewrite_decisions.labels(name, client, target).inc()
 
     def route_without_body(
         self, request: LLMRequest, subset: frozenset[str] | None

@@ -77,6 +77,7 @@ from epp.requests import (
     DEFAULT_MAX_BODY_BYTES,
     BadRequestError,
     check_body_size,
+    forwarded_body,
     model_rewrite,
     parse_request,
     request_without_body,
@@ -539,15 +540,18 @@ class ExtProcStream:
         )
         self._request = request
         target = model_rewrite(self.headers)
-        rewritten = rewrite_model(request, target) if target is not None else None
-        mutated = rewritten is not None
-        if rewritten is not None:
-            body = rewritten
+        if target is not None:
+            rewrite_model(request, target)
         if not body.strip() and request.kind == "other":
             decision = self._router.route_without_body(request, self.subset)
         else:
             decision = await self._router.route(request, self.subset)
         self._routed(decision)
+        # Rewritten by the header or by an InferenceModelRewrite (the router's): the pod gets
+        # the target model's body.
+        mutated = request.incoming_model is not None
+        if mutated:
+            body = forwarded_body(request)
         if self.request_body_mode == BUFFERED:
             return [self._buffered_body_response(decision, body if mutated else None)]
         return [

@@ -86,16 +86,22 @@ def model_rewrite(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def rewrite_model(request: LLMRequest, target: str) -> bytes | None:
-    """Point ``request`` at ``target``: the body to forward instead (its ``model`` replaced,
-    the rest as parsed, serialized compactly), or None when there is nothing to change (the
-    same model, or an API with no model in its body).  Plugins then see the target model (LoRA
-    affinity, tokenizers); ``incoming_model`` keeps the client's name for the response."""
+def rewrite_model(request: LLMRequest, target: str) -> bool:
+    """Point ``request`` at ``target``; False when there is nothing to change (the same model,
+    or an API with no model in its body).  Plugins then see the target model (LoRA affinity,
+    tokenizers); ``incoming_model`` keeps the client's name for the response and metrics, and
+    `forwarded_body` is what the pod gets."""
     if request.kind in ("other", "conversations") or target == request.model:
-        return None
-    request.incoming_model = request.model
+        return False
+    if request.incoming_model is None:
+        request.incoming_model = request.model
     request.model = target
     request.body = {**request.body, "model": target}
+    return True
+
+
+def forwarded_body(request: LLMRequest) -> bytes:
+    """The body of a rewritten request: as parsed, ``model`` replaced, serialized compactly."""
     return json.dumps(request.body, ensure_ascii=False, separators=(",", ":")).encode()
 
 

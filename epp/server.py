@@ -45,6 +45,7 @@ from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.gauges import GaugeSample
 from epp.health import HealthService, add_health_service
+from epp.request_rules import RequestRules
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
 from epp.scraping import (
@@ -130,7 +131,15 @@ class EndpointPicker:
                 max_queue_wait=options.max_queue_wait,
             )
         )
-        self.director = Director(self.datastore, self.scheduler, self.telemetry, self.admission)
+        # llm-d-router's InferenceModelRewrites and InferenceObjectives, watched with the pool.
+        self.rules = (
+            RequestRules(pool=(options.pool_group, options.pool_name))
+            if options.pool_name
+            else None
+        )
+        self.director = Director(
+            self.datastore, self.scheduler, self.telemetry, self.admission, self.rules
+        )
         self.scraper = MetricsScraper(
             self.datastore,
             interval=options.refresh_metrics_interval,
@@ -165,6 +174,7 @@ class EndpointPicker:
             return KubernetesDiscovery(
                 self.datastore,
                 pool,
+                rules=self.rules,
                 kv_events_port=opts.kv_events_port,
                 replay_port=opts.kv_events_replay_port,
             )

@@ -114,6 +114,13 @@ class Telemetry:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self.model_rewrite_decisions = Counter(
+            "inference_extension_model_rewrite_decisions",
+            "Requests an InferenceModelRewrite sent to another model, by rewrite, requested "
+            "and chosen model.",
+            ["model_rewrite_name", "model_name", "target_model"],
+            registry=r,
+        )
         self.running_requests = Gauge(
             "inference_objective_running_requests",
             "Requests routed by the EPP whose response has not finished.",

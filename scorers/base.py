@@ -163,6 +163,8 @@ class LLMRequest:
     # The model the client named, when a rewrite (header or InferenceModelRewrite) sent the
     # request to ``model`` instead.
     incoming_model: str | None = None
+    # Its InferenceObjective's priority (0 without one); below 0 the request is sheddable.
+    priority: int = 0
     # Filled by data producers before filtering: the prompt as the model server will tokenize it.
     prompt_token_ids: list[int] | None = None
     # Per-request data shared between plugins (the Inference Extension's CycleState).

@@ -26,14 +26,19 @@ KV-event and replay URLs are derived from the pod IP when ports are configured: 
 both by the data-parallel rank (``offset_endpoint_port``, docs/vllm-interop.md §4.1), so rank
 ``i`` (the i-th target port) publishes on ``kv_events_port + i``.
 
-Permissions needed in the pool's namespace: get/list/watch on ``pods`` and on
-``inferencepools`` of the pool's API group.
+With `epp.request_rules.RequestRules` given, two more loops keep llm-d-router's
+``inferencemodelrewrites`` and ``inferenceobjectives`` (``llm-d.ai/v1alpha2``) of the pool's
+namespace in it; a missing CRD (404) means none apply, said once and looked for every minute.
+
+Permissions needed in the pool's namespace: get/list/watch on ``pods``, on ``inferencepools``
+of the pool's API group and on those two ``llm-d.ai`` resources.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -51,10 +56,16 @@ from epp.discovery.pool import (
     parse_pool,
     pod_endpoints,
 )
+from epp.request_rules import RequestRules
 
 log = logging.getLogger(__name__)
 
 _LIST_PAGE: Final = 500
+# llm-d-router's InferenceModelRewrite and InferenceObjective (`epp.request_rules`).
+RULES_GROUP: Final = "llm-d.ai"
+RULES_VERSION: Final = "v1alpha2"
+REWRITES_PLURAL: Final = "inferencemodelrewrites"
+OBJECTIVES_PLURAL: Final = "inferenceobjectives"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +133,7 @@ class KubernetesDiscovery:
         pool: PoolRef,
         *,
         api_client: Any = None,
+        rules: RequestRules | None = None,
         kv_events_port: int | None = None,
         replay_port: int | None = None,
         watch_timeout: float = 300.0,
@@ -134,6 +146,7 @@ class KubernetesDiscovery:
         timeout, list read timeout, and slack on a watch's read timeout."""
         self.datastore = datastore
         self.pool_ref = pool
+        self.rules = rules
         self.kv_events_port = kv_events_port
         self.replay_port = replay_port
         self.watch_timeout = watch_timeout
@@ -172,7 +185,20 @@ class KubernetesDiscovery:
         self._custom = client.CustomObjectsApi(self._api_client)
         with self._cond:
             self._stopping = False
-        for name, target in (("pool", self._run_pool), ("pods", self._run_pods)):
+        loops: list[tuple[str, Callable[[], None]]] = [
+            ("pool", self._run_pool),
+            ("pods", self._run_pods),
+        ]
+        if self.rules is not None:
+            rules = self.rules
+            loops += [
+                (plural, functools.partial(self._run_rules, plural, apply))
+                for plural, apply in (
+                    (REWRITES_PLURAL, rules.set_rewrites),
+                    (OBJECTIVES_PLURAL, rules.set_objectives),
+                )
+            ]
+        for name, target in loops:
             thread = threading.Thread(
                 target=self._guard(target), name=f"epp-discovery-{name}", daemon=True
             )
@@ -389,6 +415,71 @@ class KubernetesDiscovery:
                     _interrupt(pods)
                 self._cond.notify_all()
 
+    # -- InferenceModelRewrites and InferenceObjectives -----------------------------------------
+
+    def _run_rules(self, plural: str, apply: Callable[[list[dict[str, Any]]], None]) -> None:
+        """List and watch one llm-d.ai collection in the pool's namespace; every change hands
+        the whole set to ``apply`` on the loop.  A 404 means the CRD is not installed: said once,
+        looked for again every minute."""
+        api = (RULES_GROUP, RULES_VERSION, self.pool_ref.namespace, plural)
+        backoff = _Backoff(self.backoff_initial, self.backoff_max)
+        objects: dict[str, dict[str, Any]] = {}
+        rv: str | None = None
+        missing_said = False
+        while not self._stopping:
+            try:
+                if rv is None:
+                    data = self._read_json(
+                        self._custom.list_namespaced_custom_object(
+                            *api, _preload_content=False, _request_timeout=self.request_timeout
+                        )
+                    )
+                    objects = {_object_name(o): o for o in data.get("items") or []}
+                    self._post_rules(apply, objects)
+                    rv = str((data.get("metadata") or {}).get("resourceVersion") or "")
+                started = time.monotonic()
+                resp = self._custom.list_namespaced_custom_object(*api, **self._watch_kwargs(rv))
+                for event in self._watch_lines(plural, resp, None):
+                    backoff.reset()
+                    obj = event.get("object") or {}
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        objects[_object_name(obj)] = obj
+                    elif event.get("type") == "DELETED":
+                        objects.pop(_object_name(obj), None)
+                    else:
+                        continue
+                    self._post_rules(apply, objects)
+                self._after_stream(started, backoff)
+            except _Superseded:
+                return
+            except Exception as exc:
+                if self._stopping:
+                    return
+                rv = None
+                if _status_code(exc) == 404:
+                    if not missing_said:
+                        missing_said = True
+                        log.info(
+                            "%s.%s/%s is not installed in %s: none apply (looked for again "
+                            "every minute)",
+                            plural,
+                            RULES_GROUP,
+                            RULES_VERSION,
+                            self.pool_ref.namespace,
+                        )
+                    self._sleep(60.0)
+                    continue
+                self._failed(f"{plural} in {self.pool_ref.namespace}", exc, backoff, None)
+
+    def _post_rules(
+        self, apply: Callable[[list[dict[str, Any]]], None], objects: Mapping[str, Any]
+    ) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                loop.call_soon_threadsafe(apply, list(objects.values()))
+
     # -- the pods loop --------------------------------------------------------------------------
 
     def _run_pods(self) -> None:
@@ -484,6 +575,10 @@ class KubernetesDiscovery:
 
 def _flatten(by_pod: Mapping[str, Sequence[EndpointSpec]]) -> list[EndpointSpec]:
     return [spec for name in sorted(by_pod) for spec in by_pod[name]]
+
+
+def _object_name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
 
 
 def _interrupt(resp: Any) -> None:

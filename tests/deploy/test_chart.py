@@ -269,7 +269,9 @@ def test_inference_pool_selects_the_model_servers_and_points_at_the_epp(
     )
 
 
-def test_rbac_grants_read_access_to_pods_and_pools_only(rendered: dict[str, Rendered]) -> None:
+def test_rbac_grants_read_access_to_pods_pools_and_rules_only(
+    rendered: dict[str, Rendered],
+) -> None:
     r = rendered["defaults"]
     role = r.get("Role", FULLNAME)
     assert role["rules"] == [
@@ -277,6 +279,11 @@ def test_rbac_grants_read_access_to_pods_and_pools_only(rendered: dict[str, Rend
         {
             "apiGroups": ["inference.networking.k8s.io"],
             "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {
+            "apiGroups": ["llm-d.ai"],
+            "resources": ["inferencemodelrewrites", "inferenceobjectives"],
             "verbs": ["get", "list", "watch"],
         },
     ]

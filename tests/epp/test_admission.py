@@ -159,3 +159,35 @@ async def test_the_ext_proc_reply_carries_the_dropped_reason() -> None:
     assert immediate.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
     assert headers[DROPPED_REASON_HEADER] == REJECTED_SATURATED
+
+
+async def test_a_sheddable_request_is_refused_rather_than_queued() -> None:
+    # An InferenceObjective with a negative priority: dropped at once when the pool is full,
+    # as the Inference Extension drops sheddable requests; a normal one waits in the queue.
+    from epp.request_rules import RequestRules
+
+    director, _ = _director(
+        AdmissionSettings(max_in_flight_per_endpoint=1, mode="queue", max_queue_wait=5.0),
+        endpoints=1,
+    )
+    rules = RequestRules(("inference.networking.k8s.io", "pool"))
+    rules.set_objectives(
+        [{"metadata": {"name": "batch"}, "spec": {"poolRef": {"name": "pool"}, "priority": -1}}]
+    )
+    director.rules = rules
+    held = await director.route(_request(0), None)
+    sheddable = LLMRequest(
+        request_id="s",
+        model="m",
+        prompt="hello",
+        headers={"x-gateway-inference-objective": "batch"},
+    )
+    with pytest.raises(PoolSaturatedError) as dropped:
+        await director.route(sheddable, None)
+    assert dropped.value.dropped_reason == REJECTED_SATURATED
+    assert director.admission.queued == 0
+    waiting = asyncio.create_task(director.route(_request(1), None))
+    await asyncio.sleep(0.05)
+    assert director.admission.queued == 1
+    director.response_complete(held, None, 200)
+    director.response_complete(await asyncio.wait_for(waiting, 2), None, 200)

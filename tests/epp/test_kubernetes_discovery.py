@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kubernetes import client
 
 from epp.datastore import Datastore
 from epp.discovery import DiscoveryError
@@ -26,6 +25,7 @@ from epp.discovery.pool import (
     pod_endpoints,
     pod_is_ready,
 )
+from tests.epp.conftest import Factory
 from tests.support.fake_kube import PODS, POOLS, FakeKubeApiServer, label_selector_matches
 
 VLLM = {"app": "vllm"}
@@ -41,38 +41,6 @@ async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str
 
 def addresses(ds: Datastore) -> list[str]:
     return sorted(e.address for e in ds.endpoints())
-
-
-def api_client(url: str) -> Any:
-    cfg = client.Configuration()
-    cfg.host = url
-    return client.ApiClient(cfg)
-
-
-Factory = Callable[..., Awaitable[tuple[Datastore, KubernetesDiscovery]]]
-
-
-@pytest.fixture
-async def start_discovery(kube: FakeKubeApiServer) -> AsyncIterator[Factory]:
-    started: list[tuple[KubernetesDiscovery, Any]] = []
-
-    async def make(
-        pool: PoolRef | None = None, server: FakeKubeApiServer | None = None, **kwargs: Any
-    ) -> tuple[Datastore, KubernetesDiscovery]:
-        ds = Datastore()
-        api = api_client((server or kube).url)
-        kwargs.setdefault("backoff_initial", 0.05)
-        kwargs.setdefault("backoff_max", 0.2)
-        kwargs.setdefault("request_timeout", 5.0)
-        discovery = KubernetesDiscovery(ds, pool or PoolRef("pool"), api_client=api, **kwargs)
-        await discovery.start()
-        started.append((discovery, api))
-        return ds, discovery
-
-    yield make
-    for discovery, api in started:
-        await discovery.stop()
-        api.close()
 
 
 def put_pool_with_pod_a(kube: FakeKubeApiServer) -> None:
