@@ -347,9 +347,10 @@ def _anthropic_messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _responses_messages(document: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The conversation of an OpenAI Responses request as vLLM builds it for a string
-    ``input``: ``instructions`` as a system message, then the input as the user's; a list
-    ``input`` keeps its message items (those with a ``role``)."""
+    """The conversation of an OpenAI Responses request, for the plugins that measure prompts:
+    ``instructions`` as a system message, then a string input as the user's, or a list
+    input's message items (those with a ``role``).  The exact chat vLLM renders, for
+    tokenizing, is `kvcache.chat_prompts.responses_chat`'s."""
     given = document.get("input")
     if given is None:
         raise BadRequestError(

@@ -63,6 +63,9 @@ class ChatPrompt:
     chat_template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Special tokens added on top of the template's (vLLM's Responses tokenize this way: its
+    # prompts start with the template's BOS and the tokenizer's).
+    add_special_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +338,7 @@ class KVCacheView:
                 chat_template_kwargs=chat.chat_template_kwargs,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
+                add_special_tokens=chat.add_special_tokens,
             )
         if prompt is not None:
             return tokenizer.encode_completion(prompt)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from indexer.errors import IndexerError, TokenizationError
+from kvcache.chat_prompts import Unsupported, anthropic_chat, responses_chat
 from kvcache.settings import KVCacheSettings
 from kvcache.view import ChatPrompt, KVCacheView
 from scorers.base import (
@@ -135,18 +136,26 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
                 chat_template_kwargs=body.get("chat_template_kwargs"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
+                add_special_tokens=body.get("add_special_tokens", False) is True,
             )
             return self.view.token_ids(request.model, chat=chat)
         if isinstance(request.prompt, str):
             return self.view.token_ids(request.model, prompt=request.prompt)
         if request.kind in ("responses", "messages"):
-            # vLLM renders these through its own conversions before the chat template; until
-            # those are reproduced and checked against vLLM, no block keys beat wrong ones.
-            self.view.warn_once(
-                f"kind:{request.kind}",
-                f"{request.kind} requests ({request.path}) get no prefix scores yet: their "
-                "block keys are not computed; they are routed by the other scorers",
-            )
+            # vLLM converts these to a chat before its template runs (`kvcache.chat_prompts`);
+            # a part whose conversion is not reproduced gets no keys rather than wrong ones.
+            convert = anthropic_chat if request.kind == "messages" else responses_chat
+            try:
+                prompt = convert(request.body)
+            except Unsupported as exc:
+                self.view.warn_once(
+                    f"unsupported:{request.kind}:{exc}",
+                    f"{request.kind} requests with {exc} get no prefix scores: vLLM's "
+                    "rendering of it is not reproduced here; they are routed by the other "
+                    "scorers",
+                )
+                return None
+            return self.view.token_ids(request.model, chat=prompt)
         return None
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:

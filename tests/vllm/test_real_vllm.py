@@ -47,6 +47,7 @@ from tests.vllm.vllm_support import (
     IndexFeed,
     Published,
     VLLMServer,
+    http_json,
     http_text,
     precise_scorer_parameters,
     wait_for,
@@ -338,6 +339,85 @@ def test_epp_tokens_and_block_keys_equal_what_vllm_publishes(
     check_prompt_keys(servers["a"], body, algo="sha256", seed=None)
 
 
+def api_bodies(prefix: str, tail: str) -> dict[str, dict[str, Any]]:
+    """The same conversation as an Anthropic Messages and two OpenAI Responses bodies."""
+    return {
+        "messages": {
+            "model": MODEL,
+            "max_tokens": 1,
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=9f2"},
+                {"type": "text", "text": prefix},
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": tail}]},
+                {"role": "assistant", "content": "Noted."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Go on."}, {"type": "text", "text": tail}],
+                },
+            ],
+        },
+        "responses": {
+            "model": MODEL,
+            "max_output_tokens": 1,
+            "instructions": prefix,
+            "input": tail,
+        },
+        "responses-items": {
+            "model": MODEL,
+            "max_output_tokens": 1,
+            "instructions": prefix,
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": tail}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Noted."}],
+                },
+                {"role": "user", "content": "Go on."},
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize("api", ["messages", "responses", "responses-items"])
+def test_anthropic_and_responses_keys_equal_what_vllm_publishes(
+    servers: dict[str, VLLMServer], api: str
+) -> None:
+    # vLLM converts these APIs to a chat before its template runs; the EPP's conversion
+    # (kvcache.chat_prompts) must give the token ids vLLM served and the blocks it published.
+    from epp.requests import parse_request
+
+    server = servers["a"]
+    address = server.spec.ports.address
+    seed = {"messages": 700, "responses": 800, "responses-items": 900}[api]
+    body = api_bodies(text(seed, 110), text(seed + 1, 12))[api]
+    path = "/v1/messages" if api == "messages" else "/v1/responses"
+    plugin = precise_scorer(address, "sha256", None)
+    request = parse_request(json.dumps(body).encode(), path=path, headers={}, request_id="t")
+    asyncio.run(plugin.prepare(request, [Endpoint(address=address)]))
+    ids = request.prompt_token_ids
+    assert ids is not None, "the EPP computed no prompt for this request"
+    answer = http_json(f"{server.spec.url}{path}", body)
+    usage = answer["usage"]
+    # Anthropic's usage splits the prompt: uncached, written to the cache, read from it.
+    served = usage["input_tokens"] + usage.get("cache_creation_input_tokens", 0)
+    served += usage.get("cache_read_input_tokens", 0)
+    assert served == len(ids), f"vLLM served another prompt length: {usage}"
+    keys = block_hashes(ids, block_size=BLOCK_SIZE, algo="sha256")
+    assert len(keys) >= 3
+
+    def stored_all() -> Published | None:
+        published = Published.fetch(server.spec.ports.replay_url)
+        return published if all(k in published.stored for k in keys) else None
+
+    published = wait_for(stored_all, f"vLLM to publish the {api} prompt's blocks", timeout=30)
+    for i, block in enumerate(published.chain(keys)):
+        assert block is not None
+        assert block.tokens == tuple(ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]), i
+
+
 def test_epp_reads_the_load_and_cache_config_vllm_reports(servers: dict[str, VLLMServer]) -> None:
     from epp.scraping import parse_vllm_metrics
 
@@ -396,6 +476,29 @@ def test_shared_prefix_is_routed_to_the_server_holding_it_and_hits_its_cache(
         send(servers[name], first)
         second = body_of("completions", prefix, text(seed + 2, 10))
         follow_up_lands_on(servers, gateway, name, first, second)
+
+
+def test_anthropic_and_responses_follow_ups_go_to_the_server_holding_their_prefix(
+    servers: dict[str, VLLMServer], gateway: Gateway
+) -> None:
+    # Through Envoy and the EPP: one conversation's prefix is placed on each server behind the
+    # EPP's back, and each follow-up, in the same API, must find its own server and hit.
+    for api, path, seeds in (
+        ("messages", "/v1/messages", (1000, 1100)),
+        ("responses", "/v1/responses", (1200, 1300)),
+    ):
+        for name, seed in zip(("a", "b"), seeds, strict=True):
+            prefix = text(seed, 150)
+            first, second = (api_bodies(prefix, text(seed + i, 10))[api] for i in (1, 2))
+            http_json(f"{servers[name].spec.url}{path}", first)
+            wait_epp_entries(gateway, servers)
+            before = {n: finished_requests(s) for n, s in servers.items()}
+            usage = http_json(f"{gateway.url}{path}", second)["usage"]
+            assert served_by(servers, before) == name, (api, name)
+            cached = usage.get("cache_read_input_tokens")
+            if cached is None:  # the Responses API's name for it
+                cached = usage["input_tokens_details"]["cached_tokens"]
+            assert cached >= 4 * BLOCK_SIZE, (api, usage)
 
 
 def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
