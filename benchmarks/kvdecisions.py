@@ -76,13 +76,20 @@ def _replica(tok_dir: Path, address: str | None, ports: Any, go: Any, done: Any,
 
 
 def _load_generator(
-    ports: list[int], bodies: list[bytes], seconds: float, streams: int, out: Any
+    ports: list[int], bodies: list[bytes], seconds: float, streams: int, go: Any, out: Any
 ) -> None:
-    async def run() -> list[list[float]]:
+    """Drive the replicas for ``seconds``; ``go`` is set when the streams start (the
+    measurement window opens then, not at this process's start-up)."""
+
+    async def run() -> tuple[list[list[float]], float]:
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in ports]
         stubs = [ep_grpc.ExternalProcessorStub(channel) for channel in channels]
+        for channel in channels:
+            await channel.channel_ready()
         latencies: list[list[float]] = [[] for _ in ports]
-        deadline = time.monotonic() + seconds
+        go.set()
+        started = time.monotonic()
+        deadline = started + seconds
 
         async def worker(k: int) -> None:
             i, replica = k, k % len(ports)
@@ -94,10 +101,11 @@ def _load_generator(
 
         try:
             await asyncio.gather(*(worker(k) for k in range(streams)))
+            window = time.monotonic() - started
         finally:
             for channel in channels:
                 await channel.close()
-        return latencies
+        return latencies, window
 
     out.put(asyncio.run(run()))
 
@@ -124,14 +132,15 @@ def run(
             started = [ports_q.get(timeout=180) for _ in procs]
             ports, bodies = [port for port, _ in started], started[0][1]
             loader = ctx.Process(
-                target=_load_generator, args=(ports, bodies, seconds, streams, out), daemon=True
+                target=_load_generator,
+                args=(ports, bodies, seconds, streams, go, out),
+                daemon=True,
             )
             loader.start()
-            go.set()
+            assert go.wait(120), "the load generator did not start"
             cpu0, t0 = _server_cpu(server.address), time.monotonic()
-            latencies: list[list[float]] = out.get(timeout=seconds + 120)
-            wall = time.monotonic() - t0
-            server_cores = (_server_cpu(server.address) - cpu0) / wall
+            latencies, wall = out.get(timeout=seconds + 120)
+            server_cores = (_server_cpu(server.address) - cpu0) / (time.monotonic() - t0)
             done.set()
             cores = dict(cores_q.get(timeout=60) for _ in procs)
         finally:

@@ -13,9 +13,9 @@ owning the most pods is SIGKILLed (no clean hand-over: its lease has to lapse). 
 * ``failover``: kill → every pod owned by a survivor (its metrics, polled every 0.1 s);
 * ``caught up``: kill → every prompt cached on the orphaned pods between the kill and the
   failover is in the store (the new owners read them from the pods' replay buffers);
-* ``lost``: after the traffic stops and the store settles, the (block, pod) entries the pods
-  really hold (folded from each pod's own replay buffer) that the store lacks, plus those the
-  store has that the pods do not (must be 0 both ways).
+* ``lost``: after the traffic stops and the store settles, the block keys each pod really
+  holds (folded from its own replay buffer) that the store lacks for it ("missing"), and those
+  the store has for it that the pod does not ("extra"); both must be 0.
 
 Figures are printed, never asserted.
 """
@@ -37,7 +37,7 @@ from indexer.hashing import block_hashes
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from launcher.configs import equal_weights_config
 from launcher.kv_store import KVStoreServer
-from launcher.observe import cache_on_pod, owned_streams, true_entries, wait_for
+from launcher.observe import cache_on_pod, owned_streams, true_block_keys, wait_for
 from launcher.stack import MODEL, Stack
 
 NAMESPACE = "failover"
@@ -134,10 +134,11 @@ def run_once(work: Path, tok_dir: Path, lease: float) -> dict[str, Any]:
             time.sleep(1.0)  # the last writes
             missing = extra = 0
             for pod in stack.pods:
-                truth = true_entries(pod)
-                stored = int(client.hlen(f"{NAMESPACE}:e:{pod.address}"))  # type: ignore[arg-type]
-                missing += max(0, truth - stored)
-                extra += max(0, stored - truth)
+                truth = true_block_keys(pod)
+                fields = cast(list[bytes], client.hkeys(f"{NAMESPACE}:e:{pod.address}"))
+                stored = {int.from_bytes(f, "big") for f in fields}
+                missing += len(truth - stored)
+                extra += len(stored - truth)
         client.close()  # type: ignore[no-untyped-call]
     return {
         "orphaned_pods": len(orphans),

@@ -24,6 +24,11 @@ the pool's capacity while its decisions are being computed.  The reason values a
 (``x-llm-d-request-dropped-reason`` there); the header is named after this EPP.
 
 Body-less requests (``GET /v1/models``) are cheap and are never queued or rejected.
+
+A *sheddable* request (its InferenceObjective's priority is negative, `epp.request_rules`) is
+never queued: with limits it is refused when every endpoint is full; without them it is refused
+when the pool is saturated by llm-d-router's utilization-detector rule (`pool_saturated`), with
+429 ``rejected-saturated`` "system saturated, sheddable request dropped".
 """
 
 from __future__ import annotations
@@ -89,6 +94,28 @@ class AdmissionSettings:
         return self.max_in_flight_per_endpoint is not None
 
 
+# llm-d-router's utilization-detector defaults: a pool is saturated when the mean over its
+# endpoints of max(waiting / 5, KV usage / 0.8) reaches 1, stale metrics counting as 1.
+_QUEUE_SATURATED: Final = 5
+_KV_SATURATED: Final = 0.8
+
+
+def pool_saturated(candidates: Sequence[Endpoint]) -> bool:
+    """Whether sheddable requests are dropped with admission limits off (as upstream)."""
+    if not candidates:
+        return False
+    load = [
+        1.0
+        if ep.metrics_stale
+        else max(
+            ep.metrics.waiting_requests / _QUEUE_SATURATED,
+            ep.metrics.kv_cache_usage / _KV_SATURATED,
+        )
+        for ep in candidates
+    ]
+    return sum(load) / len(load) >= 1.0
+
+
 def endpoint_load(endpoint: Endpoint) -> int:
     """Requests on ``endpoint`` as admission counts them (module docstring)."""
     routed = endpoint.load.in_flight_requests
@@ -151,7 +178,12 @@ class AdmissionController:
         `PoolSaturatedError`."""
         settings = self.settings
         if settings.max_in_flight_per_endpoint is None:
-            return candidates()
+            current = candidates()
+            if sheddable and pool_saturated(current):
+                return self._reject(
+                    REJECTED_SATURATED, "system saturated, sheddable request dropped"
+                )
+            return current
         current = candidates()
         if not current:
             return self._admitted(current)  # no endpoint at all: the scheduler answers 503

@@ -131,9 +131,11 @@ def parser_types(
     handler: RequestHandlerSpec | None, parser: PluginRef | None, types: Mapping[str, str]
 ) -> tuple[tuple[str, ...], list[str]]:
     """The parser types that run, and the problems with the references."""
-    if handler is not None and parser is not None:
-        return PARSER_TYPES, ["set requestHandler.parsers or parser (deprecated), not both"]
-    refs = handler.parsers if handler is not None else [parser] if parser is not None else []
+    # As llm-d-router's loader: requestHandler.parsers wins; the deprecated parser is used
+    # when it names none.
+    refs = list(handler.parsers) if handler is not None else []
+    if not refs and parser is not None:
+        refs, handler = [parser], None
     if not refs:
         return PARSER_TYPES, []
     chosen, problems = [], []

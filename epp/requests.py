@@ -66,7 +66,7 @@ _PATH_KINDS: tuple[tuple[str, RequestKind], ...] = (
 
 def request_kind(path: str) -> RequestKind:
     """The API of a request, from the end of its ``:path`` (query string ignored)."""
-    route = path.split("?", 1)[0]
+    route = path.split("?", 1)[0].rstrip("/")  # as llm-d-router matches path suffixes
     for ending, kind in _PATH_KINDS:
         if route.endswith(ending):
             return kind
@@ -101,8 +101,13 @@ def rewrite_model(request: LLMRequest, target: str) -> bool:
 
 
 def forwarded_body(request: LLMRequest) -> bytes:
-    """The body of a rewritten request: as parsed, ``model`` replaced, serialized compactly."""
-    return json.dumps(request.body, ensure_ascii=False, separators=(",", ":")).encode()
+    """The body of a rewritten request: as parsed, ``model`` replaced, serialized compactly.
+    A lone surrogate escape (valid JSON, a truncated emoji) cannot be UTF-8: such a body is
+    written with ASCII escapes, as the client sent it."""
+    try:
+        return json.dumps(request.body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(request.body, separators=(",", ":")).encode()
 
 
 def restore_model_name(chunk: bytes, target: str, incoming: str) -> bytes:

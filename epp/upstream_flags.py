@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,7 +129,6 @@ def configure_logging(args: argparse.Namespace) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=log_level(args), handlers=[handler], force=True)
-    logging.Formatter.converter = time.gmtime
 
 
 def notes(args: argparse.Namespace) -> list[str]:

@@ -442,12 +442,18 @@ class PromptTokenizer:
             f"Warm-up sentence {i}, with words, numbers and 'quotes'." for i in range(40)
         )
         self.encode_text(text, add_special_tokens=True)
-        try:
-            self.encode_chat(
-                [{"role": "system", "content": text}, {"role": "user", "content": text}]
-            )
-        except TokenizationError as exc:
-            logger.info("tokenizer %s: chat template not warmed: %s", self.name, exc)
+        # Some templates refuse a system role (Gemma's): a user-only chat then warms them.
+        failure: TokenizationError | None = None
+        for messages in (
+            [{"role": "system", "content": text}, {"role": "user", "content": text}],
+            [{"role": "user", "content": text}],
+        ):
+            try:
+                self.encode_chat(messages)
+                return
+            except TokenizationError as exc:
+                failure = exc
+        logger.info("tokenizer %s: chat template not warmed: %s", self.name, failure)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Tokenize text exactly like ``tokenizer.encode(text, add_special_tokens=...)``, cached."""

@@ -18,8 +18,11 @@ without a word: the accepted ones are listed by `accepted_keys` for the start-up
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Final
+
+logger = logging.getLogger(__name__)
 
 NESTED_KEYS: Final = ("tokenProcessorConfig", "indexerConfig", "kvEventsConfig")
 
@@ -68,10 +71,12 @@ def translate(data: Mapping[str, Any]) -> dict[str, Any]:
         if tp.get("hashSeed") not in (None, ""):
             put("hashSeed", str(tp["hashSeed"]), "tokenProcessorConfig.hashSeed")
         if tp.get("hashAlgorithm") not in (None, ""):
-            raise ValueError(
-                "tokenProcessorConfig.hashAlgorithm chooses llm-d's own request-key hash; this "
-                "EPP keys blocks by vLLM's hashes, so set hashAlgo to the pods' "
-                "--prefix-caching-hash-algo instead"
+            # llm-d's request keys are internal to its index and need not match vLLM's; here
+            # the keys are the pods' own hashes (hashAlgo = their --prefix-caching-hash-algo).
+            logger.info(
+                "tokenProcessorConfig.hashAlgorithm %r: llm-d's internal request-key hash; "
+                "this EPP keys blocks by the pods' own hashes (hashAlgo)",
+                tp["hashAlgorithm"],
             )
 
     if "indexerConfig" in data:
@@ -127,6 +132,8 @@ def _index(section: Any, out: dict[str, Any]) -> dict[str, Any]:
             )
         if "size" in memory:
             # llm-d bounds block keys; this index bounds (block, pod) entries, its memory unit.
+            if "maxIndexEntries" in out and out["maxIndexEntries"] != memory["size"]:
+                raise ValueError(f"{where}.inMemoryConfig.size and maxIndexEntries are both set")
             out["maxIndexEntries"] = memory["size"]
         index["inMemoryConfig"] = {}
     if kv.get("redisConfig") is not None:
@@ -158,9 +165,16 @@ def _events(section: Any) -> dict[str, Any]:
     events: dict[str, Any] = {}
     endpoint = ev.get("zmqEndpoint")
     if endpoint:
-        # Pods push to one socket this EPP binds (llm-d's central subscriber).
+        # Pods push to one socket this EPP binds (llm-d's central subscriber).  llm-d-router
+        # also keeps subscribing to each pod's own socket; here it is one or the other.
         events["mode"] = "central"
         events["bindAddress"] = str(endpoint)
+        logger.warning(
+            "%s.zmqEndpoint %s: KV events are received on this socket only (central mode); "
+            "pods publishing on their own sockets are not subscribed as well",
+            where,
+            endpoint,
+        )
     elif ev.get("discoverPods") is False:
         raise ValueError(f"{where}: discoverPods is false and no zmqEndpoint is given")
     if ev.get("topicFilter"):

@@ -10,7 +10,8 @@ lease expires and its pods move to the others within ``leaseSeconds`` plus one r
 owner subscribes, and its first contact fetches the pod's replay buffer from seq 0, so the
 events published meanwhile are applied (writes are idempotent: re-applying what was written
 changes nothing).  A replica that stops cleanly leaves at once.  While the store does not answer,
-a replica keeps the streams it has.
+a replica keeps the streams it has for one lease, then gives them up (the others may own them
+by then) until a renewal succeeds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -100,10 +102,35 @@ class StreamOwnership:
         await loop.run_in_executor(self._executor, self.store.leave, self.replica)
 
     def _keep(self, loop: asyncio.AbstractEventLoop) -> None:
+        renewed = time.monotonic()
+        lapsed = False
         while not self._stopping.wait(self.lease_s / 3):
             live = self._renew_once()
-            if live is not None and not loop.is_closed():
+            if loop.is_closed():
+                return
+            if live is not None:
+                renewed, lapsed = time.monotonic(), False
                 loop.call_soon_threadsafe(self._apply, live)
+            elif not lapsed and time.monotonic() - renewed > self.lease_s:
+                # The lease has expired in the store: the other replicas take these streams,
+                # and ingesting them too would make two writers per pod.
+                lapsed = True
+                loop.call_soon_threadsafe(self._lapse)
+
+    def _lapse(self) -> None:
+        if self.owned:
+            logger.warning(
+                "KV-event lease of %s not renewed for %.1f s: giving up its %d streams until "
+                "a renewal succeeds",
+                self.replica,
+                self.lease_s,
+                len(self.owned),
+            )
+        for address in sorted(self.owned):
+            self._unsubscribe(address)
+            self.moves_total += 1
+        self.owned = set()
+        self.live = []
 
     def _renew_once(self) -> list[str] | None:
         return self.store.renew(self.replica, self.lease_s)

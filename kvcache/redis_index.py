@@ -61,8 +61,8 @@ _STOP: Final = object()
 # (script, endpoint, tier bits, block keys), as the writer sends it.
 _Write = tuple[Any, str, int, Sequence[int]]
 
-# Block keys travel as one string of 8-byte big-endian keys (ARGV[4] for writes, the last ARGV
-# of a match): one argument instead of hundreds to encode and parse.
+# A write's block keys travel as one string of 8-byte big-endian keys (ARGV[4]): one argument
+# instead of hundreds to encode and parse.
 _KEYS_OF: Final = """
 local function keys_of(blob)
   local out = {}
@@ -176,6 +176,11 @@ class RedisStore:
                 f"KV-cache store address {address!r} must start with one of "
                 f"{', '.join(_ADDRESS_SCHEMES)} (e.g. redis://valkey.kv.svc:6379)"
             )
+        if "decode_responses" in address or "protocol=3" in address:
+            raise KVStoreError(
+                f"KV-cache store address {address!r}: decode_responses and protocol=3 are not "
+                "supported (the index reads raw bytes over RESP2); remove them"
+            )
         self.address = address
         self.namespace = namespace
         self._timeout_s = timeout_s
@@ -201,6 +206,8 @@ class RedisStore:
         self.dropped_writes_total = 0
         self.lookup_errors_total = 0
         self.lookup_timeouts_total = 0
+        self.renew_timeouts_total = 0
+        self._writes_down = False  # the writer's last pipeline failed to reach the server
         self.write_errors_total = 0
         self._slow = False  # the last lookup timed out (logged once until one answers)
         # Endpoints some of whose writes were dropped during an outage, and who is told (from
@@ -268,7 +275,7 @@ class RedisStore:
                     item.set()
             if any(item is _STOP for item in batch):
                 return
-            if not self.up:
+            if self._writes_down:
                 self._wait_until_up()
 
     def _send(self, writes: list[_Write]) -> None:
@@ -283,6 +290,7 @@ class RedisStore:
         except (valkey.ConnectionError, valkey.TimeoutError) as exc:
             self.dropped_writes_total += len(writes)
             self._lost(endpoint for _, endpoint, _, _ in writes)
+            self._writes_down = True
             self._went_down(exc)
             return
         except valkey.ValkeyError as exc:
@@ -293,7 +301,7 @@ class RedisStore:
             logger.error("KV-cache store %s refused writes: %s", self.address, exc)
             return
         self.writes_total += len(writes)
-        self._came_back()
+        self._writes_recovered()
 
     def _went_down(self, exc: Exception) -> None:
         if self.up:
@@ -311,12 +319,19 @@ class RedisStore:
             self._dirty.update(endpoints)
 
     def _came_back(self) -> None:
-        """The store answered (after every write and lookup: nothing to do unless it had not)."""
-        if self.up and not self._dirty:
-            return
+        """The store answered a lookup or a renewal (nothing to do unless it had not).  Only
+        the writer's own success ends its outage (`_writes_recovered`): a quick read while
+        writes still time out must not set off the rebuilds that would feed the timeouts."""
         if not self.up:
             self.up = True
             logger.warning("KV-cache store %s answers again", self.address)
+
+    def _writes_recovered(self) -> None:
+        """The writer's pipeline or ping went through: rebuild what its outage lost."""
+        self._writes_down = False
+        self._came_back()
+        if not self._dirty:
+            return
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
         if dirty and self.on_recovered is not None:
@@ -332,7 +347,7 @@ class RedisStore:
             except (valkey.ConnectionError, valkey.TimeoutError):
                 pass
             else:
-                self._came_back()
+                self._writes_recovered()
                 return
             while True:
                 try:
@@ -357,7 +372,16 @@ class RedisStore:
         try:
             live = self._renew(args=[self.namespace, replica, int(lease_s * 1000)])
         except valkey.TimeoutError:
-            return None  # busy: the next renewal, a third of the lease later, tries again
+            # Busy: the next renewal, a third of the lease later, tries again; the ownership
+            # gives its streams up if none succeeds within the lease.
+            self.renew_timeouts_total += 1
+            if self.renew_timeouts_total == 1 or self.renew_timeouts_total % 100 == 0:
+                logger.warning(
+                    "KV-cache store %s: a lease renewal timed out (%d so far)",
+                    self.address,
+                    self.renew_timeouts_total,
+                )
+            return None
         except valkey.ValkeyError as exc:
             self._went_down(exc)
             return None
@@ -570,6 +594,12 @@ class RedisIndex:
             "Lookups the shared KV-cache store failed to answer (cumulative); each was routed "
             "by load.",
             store.lookup_errors_total,
+        )
+        yield GaugeSample(
+            "inference_extension_kv_store_renew_timeouts",
+            "Lease renewals that timed out on a busy store (cumulative); with none succeeding "
+            "for a whole lease, the replica gives its KV-event streams up.",
+            store.renew_timeouts_total,
         )
         yield GaugeSample(
             "inference_extension_kv_store_lookup_timeouts",

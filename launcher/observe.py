@@ -12,7 +12,14 @@ from typing import Any
 
 import zmq
 
-from indexer.events import decode_batch
+from indexer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    block_key,
+    decode_batch,
+)
 from indexer.index import KVBlockIndex
 from launcher.stack import Pod
 
@@ -58,27 +65,48 @@ def cache_on_pod(address: str, model: str, ids: list[int], timeout: float = 30.0
             raise RuntimeError(f"{address} answered {response.status} to a completion")
 
 
-def true_entries(pod: Pod, timeout: float = 5.0) -> int:
-    """The (block, endpoint) entries the pod's cache really holds: its whole replay buffer
-    (every batch since it started), folded into a fresh index."""
+def true_block_keys(pod: Pod, timeout: float = 5.0) -> set[int]:
+    """The block keys the pod's cache really holds (any tier): its whole replay buffer folded,
+    stores adding, removals and clears taking away."""
+    held: set[int] = set()
+    for batch in _replayed(pod, timeout):
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held.update(block_key(h) for h in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(block_key(h) for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+    return held
+
+
+def _replayed(pod: Pod, timeout: float) -> list[KVEventBatch]:
+    """Every batch in the pod's replay buffer, from seq 0, in order."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    batches: list[KVEventBatch] = []
     try:
         dealer.connect(pod.replay_url)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        index = KVBlockIndex()
         while True:
             frames = dealer.recv_multipart()
-            seq = frames[-2]
-            if seq == _END_SEQ:
-                break
-            index.apply(pod.address, decode_batch(frames[-1]))
-        return index.endpoint_stats(pod.address).blocks
+            if frames[-2] == _END_SEQ:
+                return batches
+            batches.append(decode_batch(frames[-1]))
     finally:
         dealer.close(linger=0)
         context.term()
+
+
+def true_entries(pod: Pod, timeout: float = 5.0) -> int:
+    """The (block, endpoint) entries the pod's cache really holds: its whole replay buffer
+    (every batch since it started), folded into a fresh index."""
+    index = KVBlockIndex()
+    for batch in _replayed(pod, timeout):
+        index.apply(pod.address, batch)
+    return index.endpoint_stats(pod.address).blocks
 
 
 def wait_for(condition: Any, what: str, timeout: float = 20.0, interval: float = 0.05) -> float:

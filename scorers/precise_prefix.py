@@ -60,10 +60,14 @@ _PREPARED_AT = "precise-prefix.prepared-at"
 _INDEXED_BLOCKS = "precise-prefix.indexed-blocks"
 
 
-@register("precise-prefix-cache-scorer")
-class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
-    """Scorer, data producer and PreRequest/ResponseComplete plugin over one KV-cache view;
-    see the module docstring."""
+@register("precise-prefix-cache-producer")
+class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's settings
+    """Data producer and PreRequest/ResponseComplete plugin over one KV-cache view (llm-d-
+    router's ``precise-prefix-cache-producer``): its match goes to ``request.data``
+    (`scorers.request_data.PrefixMatchInfo`, under this plugin's name) for a
+    ``prefix-cache-scorer`` whose ``prefixMatchInfoProducerName`` names it, and to the plugins
+    reading the prefix data (``prefill-cost-scorer``).  It does not score: as upstream, it
+    cannot sit in a profile."""
 
     def __init__(self, name: str, params: Any, context: PluginContext) -> None:
         super().__init__(name, params, context)
@@ -158,10 +162,6 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
             return self.view.token_ids(request.model, chat=prompt)
         return None
 
-    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        scores: Mapping[str, float] = request.data.get(_SCORES, {})
-        return {ep.address: scores.get(ep.address, 0.0) for ep in endpoints}
-
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         """With ``speculativeIndexing``: predict the request's blocks on each profile's primary
         target (the pod will cache them when it runs the prefill)."""
@@ -192,9 +192,11 @@ class PrecisePrefixCacheScorer(Plugin[KVCacheSettings]):  # its view's settings
         view.completed(endpoint, routed_at, usage.prompt_tokens, held)
 
 
-@register("precise-prefix-cache-producer")
-class PrecisePrefixCacheProducer(PrecisePrefixCacheScorer):
-    """llm-d-router's name for the same work as a data producer: its match goes to
-    ``request.data`` (`scorers.request_data.PrefixMatchInfo`, under this plugin's name) for a
-    ``prefix-cache-scorer`` whose ``prefixMatchInfoProducerName`` names it, or for any plugin
-    reading the prefix data (``prefill-cost-scorer``)."""
+@register("precise-prefix-cache-scorer")
+class PrecisePrefixCacheScorer(PrecisePrefixCacheProducer):
+    """The producer's work and its score (the module docstring): the scorer llm-d and this
+    EPP's default profile use."""
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        scores: Mapping[str, float] = request.data.get(_SCORES, {})
+        return {ep.address: scores.get(ep.address, 0.0) for ep in endpoints}

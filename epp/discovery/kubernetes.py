@@ -140,6 +140,7 @@ class KubernetesDiscovery:
         request_timeout: float = 30.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
+        rules_retry_s: float = 60.0,
     ) -> None:
         """``watch_timeout``: server-side length of one watch, randomized up to twice that (as
         client-go does) so replicas do not reconnect in step.  ``request_timeout``: connect
@@ -153,6 +154,7 @@ class KubernetesDiscovery:
         self.request_timeout = request_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.rules_retry_s = rules_retry_s  # how often a missing rules CRD is looked for again
         self._api_client = api_client
         self._owns_client = api_client is None
         self._core: Any = None  # kubernetes.client.CoreV1Api, made in start()
@@ -457,18 +459,24 @@ class KubernetesDiscovery:
                 if self._stopping:
                     return
                 rv = None
-                if _status_code(exc) == 404:
+                status = _status_code(exc)
+                if status in (403, 404):
                     if not missing_said:
                         missing_said = True
+                        why = (
+                            "is not installed"
+                            if status == 404
+                            else "may not be read (add get/list/watch on it to the EPP's Role)"
+                        )
                         log.info(
-                            "%s.%s/%s is not installed in %s: none apply (looked for again "
-                            "every minute)",
+                            "%s.%s/%s %s in %s: none apply (looked for again every minute)",
                             plural,
                             RULES_GROUP,
                             RULES_VERSION,
+                            why,
                             self.pool_ref.namespace,
                         )
-                    self._sleep(60.0)
+                    self._sleep(self.rules_retry_s)
                     continue
                 self._failed(f"{plural} in {self.pool_ref.namespace}", exc, backoff, None)
 

@@ -191,3 +191,31 @@ async def test_a_sheddable_request_is_refused_rather_than_queued() -> None:
     assert director.admission.queued == 1
     director.response_complete(held, None, 200)
     director.response_complete(await asyncio.wait_for(waiting, 2), None, 200)
+
+
+async def test_without_limits_a_sheddable_request_is_dropped_when_the_pool_is_saturated() -> None:
+    # Admission limits off (the default): upstream's utilization-detector rule decides.
+    from epp.request_rules import RequestRules
+
+    director, ds = _director(AdmissionSettings(), endpoints=2)
+    rules = RequestRules(("inference.networking.k8s.io", "pool"))
+    rules.set_objectives(
+        [{"metadata": {"name": "batch"}, "spec": {"poolRef": {"name": "pool"}, "priority": -1}}]
+    )
+    director.rules = rules
+
+    def sheddable() -> LLMRequest:
+        headers = {"x-llm-d-inference-objective": "batch"}
+        return LLMRequest(request_id="s", model="m", prompt="hello", headers=headers)
+
+    ds.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting_requests=2))
+    ds.update_metrics("10.0.0.2:8000", EndpointMetrics(kv_cache_usage=0.5))
+    decision = await director.route(sheddable(), None)  # mean of 0.4 and 0.625: not saturated
+    director.response_complete(decision, None, 200)
+    ds.update_metrics("10.0.0.2:8000", EndpointMetrics(kv_cache_usage=0.9))
+    ds.update_metrics("10.0.0.1:8000", EndpointMetrics(waiting_requests=0, kv_cache_usage=0.7))
+    # mean of 0.875 and 1.125 = 1.0: saturated
+    with pytest.raises(PoolSaturatedError, match="sheddable request dropped"):
+        await director.route(sheddable(), None)
+    normal = await director.route(_request(1), None)  # only sheddable requests are dropped
+    director.response_complete(normal, None, 200)

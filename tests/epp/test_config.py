@@ -365,6 +365,12 @@ def test_request_handler_chooses_the_parsers() -> None:
         "parser: {pluginRef: passthrough-parser}"
     )
     assert deprecated.parser_types == ("passthrough-parser",)
+    both = load(
+        "plugins: [{type: openai-parser}, {type: passthrough-parser}, {type: queue-scorer}]\n"
+        "requestHandler: {parsers: [{pluginRef: openai-parser}]}\n"
+        "parser: {pluginRef: passthrough-parser}"
+    )
+    assert both.parser_types == ("openai-parser",)  # the new field wins, as upstream
     assert problems(
         "plugins: [{type: queue-scorer}]\nrequestHandler: {parsers: [{pluginRef: queue-scorer}]}"
     ) == (
@@ -429,11 +435,28 @@ def test_llm_d_router_split_precise_pipeline_loads_and_wires() -> None:
     assert problems(
         "plugins:\n- type: prefix-cache-scorer\n  parameters: {prefixMatchInfoProducerName: x}"
     ) == ("plugins[0].parameters.prefixMatchInfoProducerName: 'x' is not a declared plugin",)
-    (problem,) = problems(
+    # llm-d's hashAlgorithm names its internal request-key hash: accepted, it has no
+    # counterpart here (blocks are keyed by the pods' own hashes).
+    load(
         "plugins:\n- type: precise-prefix-cache-producer\n  parameters:\n"
-        "    tokenProcessorConfig: {hashAlgorithm: xxh64}"
+        "    tokenProcessorConfig: {hashAlgorithm: cbor-fnv}"
     )
-    assert "hashAlgorithm chooses llm-d's own request-key hash" in problem
+    # Without profiles, the default one takes the scorers, not the producer (upstream's is a
+    # data producer only): the prefix is weighed once.
+    synthesized = load(
+        """
+        plugins:
+        - type: precise-prefix-cache-producer
+        - type: prefix-cache-scorer
+          parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}
+        - type: queue-scorer
+        """
+    )
+    assert [name for name, _ in layout(synthesized)["default"]] == [
+        "prefix-cache-scorer",
+        "queue-scorer",
+        "max-score-picker",
+    ]
 
 
 async def test_built_scheduler_schedules() -> None:

@@ -138,19 +138,24 @@ async def test_rules_follow_the_kubernetes_api(
     await eventually(lambda: rules.rewrite("alias") is None, what="deleted")
 
 
-async def test_a_missing_crd_means_no_rules_and_discovery_carries_on(
-    kube: FakeKubeApiServer, start_discovery: Factory, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("status", "said"), [(404, "is not installed"), (403, "may not be read")])
+async def test_a_missing_crd_or_permission_means_no_rules_until_it_appears(
+    kube: FakeKubeApiServer,
+    start_discovery: Factory,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    said: str,
 ) -> None:
     caplog.set_level(logging.INFO, logger="epp.discovery.kubernetes")
     put_pool_with_pod_a(kube)
-    kube.fail_next(2, status=404, path_contains=REWRITES_PLURAL)
+    kube.fail_next(1, status=status, path_contains=REWRITES_PLURAL)
     rules = RequestRules(POOL)
-    ds, _ = await start_discovery(rules=rules)
+    ds, _ = await start_discovery(rules=rules, rules_retry_s=0.3)
     await eventually(lambda: [e.address for e in ds.endpoints()] == ["10.0.0.1:8000"])
-    await eventually(
-        lambda: "inferencemodelrewrites.llm-d.ai/v1alpha2 is not installed" in caplog.text
-    )
-    assert rules.rewrite("anything") is None
+    await eventually(lambda: f"inferencemodelrewrites.llm-d.ai/v1alpha2 {said}" in caplog.text)
+    assert "WARNING" not in caplog.text  # said once at info, not a warning every backoff
+    kube.put(REWRITES, rewrite("late", [rule(["m"], [("n", None)])]))
+    await eventually(lambda: rules.rewrite("m") == ("late", "n"), what="looked for again")
 
 
 async def test_a_rewrite_rule_sends_the_request_to_its_target_end_to_end() -> None:

@@ -70,7 +70,7 @@ def test_chat_completions() -> None:
 def test_query_string_does_not_change_the_kind() -> None:
     assert request_kind("/v1/chat/completions?api-version=1") == "chat"
     assert request_kind("/v1/completions") == "completions"
-    assert request_kind("/v1/completions/") == "other"
+    assert request_kind("/v1/completions/") == "completions"  # trailing "/" trimmed, as upstream
     assert request_kind("/v1/models") == "other"
 
 
@@ -169,7 +169,7 @@ def test_other_paths_are_routed_not_judged() -> None:
         ("/v1/messages", "messages"),
         ("/anthropic/v1/messages", "messages"),
         ("/v1/messages/count_tokens", "other"),
-        ("/v1/completions/", "other"),
+        ("/v1/completions/", "completions"),
         ("/v1/models", "other"),
     ],
 )
@@ -257,3 +257,11 @@ def test_only_the_configured_parsers_parse() -> None:
     assert parsed_kind("/v1/messages", with_passthrough) == "other"
     request = parse({"model": "m"}, path="/v1/messages", parsers=frozenset({"passthrough-parser"}))
     assert (request.kind, request.model) == ("other", "m")  # forwarded unjudged
+
+
+def test_a_rewritten_body_with_a_lone_surrogate_is_still_forwarded() -> None:
+    from epp.requests import forwarded_body, rewrite_model
+
+    request = parse(b'{"model": "a", "prompt": "x\\ud83d"}')
+    assert rewrite_model(request, "b")
+    assert json.loads(forwarded_body(request)) == {"model": "b", "prompt": "x\ud83d"}

@@ -536,3 +536,52 @@ async def test_replicas_share_the_streams_and_take_over_a_dead_ones(
         for pod in pods:
             await pod.close()
         context.destroy(linger=0)
+
+
+async def test_a_replica_whose_renewals_time_out_gives_its_streams_up(
+    server: KVStoreServer,
+) -> None:
+    # The store is kept busy (a script) for longer than the lease: every renewal times out,
+    # the lease lapses in the store and other replicas may take the pods, so this replica
+    # gives its streams up (counted, logged) and takes them back once a renewal succeeds.
+    import threading
+
+    from kvcache.ownership import StreamOwnership
+    from scorers.base import Endpoint
+
+    store = _store(server, namespace="lapse")
+    subscribed: list[str] = []
+    unsubscribed: list[str] = []
+    ownership = StreamOwnership(
+        store,
+        0.6,
+        lambda endpoint: subscribed.append(endpoint.address),
+        unsubscribed.append,
+        replica="only",
+    )
+    client = valkey.Valkey.from_url(server.address, socket_timeout=10)
+    busy = client.register_script(
+        "local t0 = redis.call('TIME') "
+        "repeat local t = redis.call('TIME') "
+        "until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 2000000 return 0"
+    )
+    try:
+        await ownership.start(None)
+        ownership.endpoint_added(Endpoint(address=PODS[0]))
+        assert ownership.owned == {PODS[0]} and subscribed == [PODS[0]]
+        blocker = threading.Thread(target=busy)
+        blocker.start()
+        deadline = time.monotonic() + 5
+        while not unsubscribed and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert unsubscribed == [PODS[0]] and ownership.owned == set()
+        assert store.renew_timeouts_total >= 1
+        await asyncio.to_thread(blocker.join)
+        deadline = time.monotonic() + 5
+        while len(subscribed) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert subscribed == [PODS[0], PODS[0]] and ownership.owned == {PODS[0]}
+    finally:
+        await ownership.stop()
+        client.close()
+        store.stop()
