@@ -54,6 +54,7 @@ from epp.config_sections import (
     feature_gates,
     parser_types,
     producer_problems,
+    with_prefix_producer,
     with_token_producer,
 )
 from epp.scheduler import PluginDurationHook, Scheduler, SchedulerProfile, WeightedScorer
@@ -384,7 +385,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
 
-    for index, spec in enumerate(with_token_producer(config.plugins, source)):
+    specs_in = with_prefix_producer(with_token_producer(config.plugins, source))
+    for index, spec in enumerate(specs_in):
         where = f"plugins[{index}]"
         if spec.name in first_index:
             problems.append(
@@ -521,7 +523,7 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     if config.dataLayer is not None:
         problems += data_layer_problems(config.dataLayer, types)
     problems += parser_types(config.requestHandler, config.parser, types)[1]
-    problems += producer_problems(config.plugins, types)
+    problems += producer_problems(specs_in, types)
     if problems:
         raise ConfigError(source, problems)
     return EndpointPickerConfig(

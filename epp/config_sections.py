@@ -14,9 +14,10 @@ the references between plugins its split prefix pipeline uses.
 * ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
   ``passthrough-parser``, each declared); default all three, as llm-d-router's default list
   (less its ``vllmhttp-parser``, not offered).
-* ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared precise prefix
-  producer; a ``token-producer``'s ``modelName`` becomes the ``tokenizer`` of every precise
-  prefix plugin that names none.
+* ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared prefix
+  producer (precise or ``approx-prefix-cache-producer``); a ``prefix-cache-scorer`` naming none
+  reads the one approximate producer declared, if any; a ``token-producer``'s ``modelName``
+  becomes the ``tokenizer`` of every precise prefix plugin that names none.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ FEATURE_GATES: Final[Mapping[str, bool]] = {
 }
 PARSER_TYPES: Final = ("openai-parser", "anthropic-parser", "passthrough-parser")
 PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
+PREFIX_PRODUCER_TYPES: Final = (*PRECISE_TYPES, "approx-prefix-cache-producer")
 # Which data sources feed which extractors here (what this EPP does built in).
 _EXTRACTORS: Final[Mapping[str, tuple[str, ...]]] = {
     "metrics-data-source": ("core-metrics-extractor",),
@@ -165,12 +167,29 @@ def producer_problems(plugins: Sequence[Any], types: Mapping[str, str]) -> list[
         kind = types.get(producer)
         if kind is None:
             problems.append(f"{where}: {producer!r} is not a declared plugin")
-        elif kind not in PRECISE_TYPES:
+        elif kind not in PREFIX_PRODUCER_TYPES:
             problems.append(
                 f"{where}: {producer!r} ({kind}) is not a prefix producer; producers: "
-                f"{', '.join(PRECISE_TYPES)}"
+                f"{', '.join(PREFIX_PRODUCER_TYPES)}"
             )
     return problems
+
+
+def with_prefix_producer(plugins: Sequence[Any]) -> list[Any]:
+    """``plugins`` with each ``prefix-cache-scorer`` that names no producer reading the one
+    ``approx-prefix-cache-producer`` declared, as llm-d-router wires it by default (without
+    one, the scorer keeps its own approximate index, the Inference Extension's)."""
+    approx = [spec.name for spec in plugins if spec.type == "approx-prefix-cache-producer"]
+    if len(approx) != 1:
+        return list(plugins)
+    out = []
+    for spec in plugins:
+        params = dict(spec.parameters or {})
+        if spec.type == "prefix-cache-scorer" and not params.get("prefixMatchInfoProducerName"):
+            params["prefixMatchInfoProducerName"] = approx[0]
+            spec = spec.model_copy(update={"parameters": params})
+        out.append(spec)
+    return out
 
 
 def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:

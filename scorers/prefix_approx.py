@@ -368,3 +368,90 @@ class PrefixCacheScorer(Plugin[PrefixCacheParameters]):
 
     def endpoint_removed(self, endpoint: Endpoint) -> None:
         self.index.remove_endpoint(endpoint.address)
+
+
+class ApproxPrefixProducerParameters(BaseModel):
+    """llm-d-router's ``approx-prefix-cache-producer`` parameters, its names and defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    autoTune: bool = Field(
+        default=True,
+        description="Blocks of the pods' own block size (vllm:cache_config_info), learned on "
+        "the first request whose candidates report it; blockSizeTokens until then.",
+    )
+    blockSizeTokens: int = Field(default=16, ge=1, le=1 << 16)
+    blockSize: int | None = Field(
+        default=None, ge=4, le=1 << 20, description="Deprecated upstream: block size in characters."
+    )
+    maxPrefixTokensToMatch: int = Field(
+        default=131072, ge=0, le=1 << 24, description="0: the whole prompt."
+    )
+    maxPrefixBlocksToMatch: int | None = Field(
+        default=None, ge=1, le=1 << 20, description="Deprecated upstream: a bound in blocks."
+    )
+    lruCapacityPerServer: int = Field(default=31250, ge=1, le=1 << 30)
+
+
+# A prompt cut into blocks of this many tokens is hashed in blocks of this many bytes times
+# the block's tokens (the Inference Extension's estimate: 4 bytes per token).
+_BYTES_PER_TOKEN = CHARS_PER_TOKEN_ESTIMATE
+
+
+@register("approx-prefix-cache-producer")
+class ApproxPrefixCacheProducer(Plugin[ApproxPrefixProducerParameters]):
+    """llm-d-router's approximate prefix producer: this module's routing-history index (blocks
+    of ``blockSizeTokens`` × 4 bytes of prompt), publishing its match for a
+    ``prefix-cache-scorer`` (`scorers.request_data.PrefixMatchInfo`, under its name).  It does
+    not score.  With ``autoTune`` the block is the pods' own block size once their metrics
+    report it (fixed from then on: earlier hashes would not match later ones otherwise)."""
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        p = self.p
+        self.block_tokens = (
+            max(1, p.blockSize // _BYTES_PER_TOKEN) if p.blockSize else p.blockSizeTokens
+        )
+        self._tuned = not p.autoTune
+        self.index = PrefixBlockIndex(p.lruCapacityPerServer)
+        self._state_key = f"{self.type_name}/{name}"
+
+    def _max_blocks(self) -> int:
+        p = self.p
+        if p.maxPrefixBlocksToMatch is not None:
+            return p.maxPrefixBlocksToMatch
+        if p.maxPrefixTokensToMatch == 0:
+            return 1 << 20
+        return max(1, p.maxPrefixTokensToMatch // self.block_tokens)
+
+    async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
+        if not self._tuned:
+            sizes = [ep.metrics.block_size for ep in endpoints if ep.metrics.block_size]
+            if sizes:
+                self.block_tokens, self._tuned = min(sizes), True
+        block = self.block_tokens * _BYTES_PER_TOKEN
+        limit = self._max_blocks()
+        data = prompt_bytes(request, block * limit)
+        hashes = block_hashes(data, block, limit, request.model, request.cache_salt)
+        matched = self.index.longest_prefix(hashes)
+        request.data[self._state_key] = _RequestState(hashes, matched)
+        record_prefix_matches(request, matched)
+        request.data[prefix_match_info_key(self.name)] = PrefixMatchInfo(
+            matched, {a: float(n) for a, n in matched.items()}, len(hashes), self.block_tokens
+        )
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        state: _RequestState | None = request.data.get(self._state_key)
+        if state is None or not state.hashes:
+            return
+        recorded: set[str] = set()
+        for profile in result.profiles.values():
+            if profile.targets and (address := profile.targets[0].address) not in recorded:
+                recorded.add(address)
+                self.index.add(address, state.hashes)
+
+    def endpoint_added(self, endpoint: Endpoint) -> None:
+        pass
+
+    def endpoint_removed(self, endpoint: Endpoint) -> None:
+        self.index.remove_endpoint(endpoint.address)

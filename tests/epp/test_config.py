@@ -805,3 +805,42 @@ def test_plugin_that_fails_to_start() -> None:
     config = load("plugins:\n- type: test-exploding-scorer\n")
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(test-exploding-scorer .*no GPU today"):
         build_scheduler(config, context())
+
+
+async def test_llm_d_router_approximate_producer_feeds_the_prefix_scorer() -> None:
+    """llm-d-router's deploy/config/sim-epp-config.yaml shape (our copy): the scorer names no
+    producer and reads the approximate one; a prompt routed once is found there again."""
+    config = load(
+        """
+        plugins:
+        - type: approx-prefix-cache-producer
+          parameters:
+            maxPrefixTokensToMatch: 16384
+            lruCapacityPerServer: 31250
+        - type: prefix-cache-scorer
+        - type: decode-filter
+        - type: max-score-picker
+        - type: single-profile-handler
+        schedulingProfiles:
+        - name: default
+          plugins:
+          - pluginRef: decode-filter
+          - pluginRef: max-score-picker
+          - pluginRef: prefix-cache-scorer
+            weight: 2
+        """,
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n",
+    )
+    scorer = next(s for s in config.plugins if s.type == "prefix-cache-scorer")
+    assert scorer.parameters["prefixMatchInfoProducerName"] == "approx-prefix-cache-producer"
+    scheduler = build_scheduler(config, context())
+    eps = [endpoint(f"10.0.0.{i}:8000") for i in (1, 2, 3)]
+    prompt = "a long shared system prompt " * 40
+    first = await scheduler.schedule(request(prompt=prompt + "first"), eps)
+    holder = first.targets[0].address
+    for i in range(5):
+        again = await scheduler.schedule(request(prompt=prompt + f"follow-up {i}"), eps)
+        assert again.targets[0].address == holder
+    # No producer declared: the scorer keeps its own approximate index (the GIE's).
+    standalone = load("plugins: [{type: prefix-cache-scorer}]")
+    assert "prefixMatchInfoProducerName" not in standalone.plugins[0].parameters

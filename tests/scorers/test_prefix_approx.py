@@ -225,3 +225,28 @@ async def test_with_a_producer_named_it_scores_the_producers_match() -> None:
     assert blended.score(req, [a])[a.address] == pytest.approx(0.525)
     with pytest.raises(PluginConfigError, match="matchLengthWeight"):
         make("prefix-cache-scorer", {"matchLengthWeight": 2})
+
+
+async def test_the_approximate_producer_learns_the_pods_block_size_once() -> None:
+    from scorers.base import EndpointMetrics
+    from scorers.request_data import prefix_match_info_key
+
+    producer = make("approx-prefix-cache-producer", {"maxPrefixTokensToMatch": 64})
+    a = endpoint("10.0.0.1:8000")
+    req = request(prompt="y" * 1000)
+    await producer.prepare(req, [a])  # no block size reported yet: blockSizeTokens (16)
+    info = req.data[prefix_match_info_key(producer.name)]
+    assert (info.block_size, info.total_blocks) == (16, 4)  # 64 tokens at most
+    a.metrics = EndpointMetrics(block_size=32)
+    req = request(prompt="y" * 1000)
+    await producer.prepare(req, [a])
+    info = req.data[prefix_match_info_key(producer.name)]
+    assert (info.block_size, info.total_blocks) == (32, 2)
+    a.metrics = EndpointMetrics(block_size=64)  # fixed once learned
+    req = request(prompt="y" * 1000)
+    await producer.prepare(req, [a])
+    assert req.data[prefix_match_info_key(producer.name)].block_size == 32
+    fixed = make("approx-prefix-cache-producer", {"autoTune": False, "blockSizeTokens": 8})
+    req = request(prompt="y" * 1000)
+    await fixed.prepare(req, [a])
+    assert req.data[prefix_match_info_key(fixed.name)].block_size == 8
