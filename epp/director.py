@@ -111,7 +111,7 @@ class Director:
         finally:
             admission.scheduled()
             if self.telemetry is not None:
-                self.telemetry.scheduler_e2e.observe(time.perf_counter() - started)
+                self.telemetry.scheduled(time.perf_counter() - started)
         self._count_attempt("success")
         targets = tuple(ep.address for ep in result.targets)
         if not targets:
@@ -146,7 +146,7 @@ class Director:
         client = request.client_model
         rewrite_model(request, target)
         if self.telemetry is not None:
-            self.telemetry.model_rewrite_decisions.labels(name, client, target).inc()
+            self.telemetry.model_rewritten(name, client, target)
 
     def route_without_body(
         self, request: LLMRequest, subset: frozenset[str] | None
@@ -173,8 +173,7 @@ class Director:
         )
         request.data[RESPONSE_TIMING] = ResponseTiming(routed_at=self.datastore.clock())
         if self.telemetry is not None:
-            self.telemetry.requests.labels(request.client_model, request.model).inc()
-            self.telemetry.running_requests.labels(request.model).inc()
+            self.telemetry.request_routed(request)
         return TrackedDecision(
             request=request,
             targets=targets,
@@ -216,10 +215,7 @@ class Director:
                 1000 * (time.perf_counter() - decision.decided_at),
             )
         if self.telemetry is not None:
-            model = decision.request.model
-            self.telemetry.request_ttft.labels(decision.request.client_model, model).observe(
-                time.perf_counter() - decision.decided_at
-            )
+            self.telemetry.first_byte(decision.request, time.perf_counter() - decision.decided_at)
 
     def response_complete(
         self, decision: RoutingDecision, usage: Usage | None, status: int
@@ -229,23 +225,13 @@ class Director:
             decision.in_flight.finish()
             self.admission.release()
         request = decision.request
-        telemetry = self.telemetry
-        if telemetry is not None:
-            client, model = request.client_model, request.model
-            telemetry.running_requests.labels(model).dec()
-            if isinstance(decision, TrackedDecision):
-                telemetry.request_duration.labels(client, model).observe(
-                    time.perf_counter() - decision.decided_at
-                )
-            if status >= 400:
-                telemetry.request_errors.labels(client, model, str(status)).inc()
-            if usage is not None:
-                telemetry.input_tokens.labels(client, model).observe(usage.prompt_tokens)
-                telemetry.output_tokens.labels(client, model).observe(usage.completion_tokens)
-                if usage.cached_tokens is not None:
-                    telemetry.prompt_cached_tokens.labels(client, model).observe(
-                        usage.cached_tokens
-                    )
+        if self.telemetry is not None:
+            seconds = (
+                time.perf_counter() - decision.decided_at
+                if isinstance(decision, TrackedDecision)
+                else None
+            )
+            self.telemetry.request_finished(request, seconds, status, usage)
         if decision.targets:
             self.scheduler.run_response_complete(request, decision.targets[0], usage)
 
@@ -263,10 +249,8 @@ class Director:
             timing.pool_running_while_decoding = (pool - areas[1]) / (now - first)
 
     def request_failed(self, request: LLMRequest | None, status: int, reason: str) -> None:
-        model = request.model if request is not None else ""
-        client = request.client_model if request is not None else ""
         if self.telemetry is not None:
-            self.telemetry.request_errors.labels(client, model, str(status)).inc()
+            self.telemetry.request_refused(request, status)
         logger.info(
             "request %s answered by the EPP with %d: %s",
             request.request_id if request is not None else "-",

@@ -21,6 +21,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.gauges import GaugeSample
+from epp.llmd_metrics import LlmdMetrics, request_labels
+from scorers.base import LLMRequest, Usage
 
 # Decision latencies are sub-millisecond to tens of milliseconds.
 _LATENCY_BUCKETS: Final = (
@@ -166,6 +168,7 @@ class Telemetry:
             registry=r,
         )
         self.info.labels(commit="unknown", build_ref="kv-epp").set(1)
+        self.llmd = LlmdMetrics(r)
         r.register(_SourceCollector(self._sources))
 
     def add_source(self, source: StatsSource) -> None:
@@ -176,3 +179,54 @@ class Telemetry:
         self, extension_point: str, plugin_type: str, plugin_name: str, seconds: float
     ) -> None:
         self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe(seconds)
+
+    # -- a request's life, in both name families (this module's and `epp.llmd_metrics`') ----
+
+    def request_routed(self, request: LLMRequest) -> None:
+        self.requests.labels(request.client_model, request.model).inc()
+        self.running_requests.labels(request.model).inc()
+        labels = request_labels(request)
+        self.llmd.requests.labels(*labels).inc()
+        self.llmd.running.labels(*labels).inc()
+
+    def first_byte(self, request: LLMRequest, seconds: float) -> None:
+        self.request_ttft.labels(request.client_model, request.model).observe(seconds)
+        streaming = "true" if request.stream else "false"
+        self.llmd.ttft.labels(*request_labels(request), streaming).observe(seconds)
+
+    def request_finished(
+        self, request: LLMRequest, seconds: float | None, status: int, usage: Usage | None
+    ) -> None:
+        client, model = request.client_model, request.model
+        labels = request_labels(request)
+        self.running_requests.labels(model).dec()
+        self.llmd.running.labels(*labels).dec()
+        if seconds is not None:
+            self.request_duration.labels(client, model).observe(seconds)
+            self.llmd.duration.labels(*labels).observe(seconds)
+        if status >= 400:
+            self.request_errors.labels(client, model, str(status)).inc()
+            self.llmd.errors.labels(*labels, str(status)).inc()
+        if usage is not None:
+            self.input_tokens.labels(client, model).observe(usage.prompt_tokens)
+            self.output_tokens.labels(client, model).observe(usage.completion_tokens)
+            self.llmd.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+            self.llmd.output_tokens.labels(*labels).observe(usage.completion_tokens)
+            if usage.cached_tokens is not None:
+                self.prompt_cached_tokens.labels(client, model).observe(usage.cached_tokens)
+                self.llmd.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+
+    def request_refused(self, request: LLMRequest | None, status: int) -> None:
+        client = request.client_model if request is not None else ""
+        model = request.model if request is not None else ""
+        self.request_errors.labels(client, model, str(status)).inc()
+        if request is not None:
+            self.llmd.errors.labels(*request_labels(request), str(status)).inc()
+
+    def scheduled(self, seconds: float) -> None:
+        self.scheduler_e2e.observe(seconds)
+        self.llmd.scheduler_e2e.observe(seconds)
+
+    def model_rewritten(self, rewrite: str, client_model: str, target: str) -> None:
+        self.model_rewrite_decisions.labels(rewrite, client_model, target).inc()
+        self.llmd.model_rewrites.labels(rewrite, client_model, target).inc()

@@ -198,3 +198,43 @@ async def test_a_rewrite_rule_sends_the_request_to_its_target_end_to_end() -> No
         {"model_rewrite_name": "to-lora", "model_name": "alias", "target_model": "sql-lora"},
     )
     assert sample == 1.0
+
+
+async def test_llm_d_router_metric_names_are_emitted_beside_the_inference_extensions() -> None:
+    datastore = Datastore(staleness_threshold=None)
+    datastore.upsert(EndpointSpec(address="10.0.0.1:8000"))
+    context = PluginContext(endpoints=datastore)
+    config = parse_config(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n"
+    )
+    telemetry = Telemetry()
+    rules = RequestRules(POOL)
+    rules.set_objectives([objective("gold", 5)])
+    director = Director(datastore, build_scheduler(config, context), telemetry, rules=rules)
+    stream = ExtProcStream(director)
+    headers = {
+        "x-request-id": "r1",
+        "x-llm-d-inference-objective": "gold",
+        "x-llm-d-inference-fairness-id": "tenant-a",
+        "x-gateway-model-name-rewrite": "served",
+    }
+    await stream.handle(request_headers(extra=headers))
+    await stream.handle(request_body(json.dumps({"model": "alias", "prompt": "hi"}).encode()))
+    await stream.handle(response_headers())
+    usage = b'{"usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
+    await stream.handle(response_body(usage, True))
+    sample = telemetry.registry.get_sample_value
+    labels = {
+        "model_name": "alias",
+        "target_model_name": "served",
+        "fairness_id": "tenant-a",
+        "priority": "5",
+    }
+    assert sample("llm_d_epp_request_total", labels) == 1.0
+    assert sample("llm_d_epp_request_running", labels) == 0.0
+    assert sample("llm_d_epp_request_input_tokens_sum", labels) == 7.0
+    assert sample("llm_d_epp_request_ttft_seconds_count", {**labels, "streaming": "false"}) == 1.0
+    assert sample("llm_d_epp_scheduler_e2e_duration_seconds_count", {}) == 1.0
+    old = {"model_name": "alias", "target_model_name": "served"}
+    assert sample("inference_objective_request_total", old) == 1.0  # still emitted
+    assert sample("inference_objective_input_tokens_sum", old) == 7.0

@@ -1,0 +1,118 @@
+"""llm-d-router's ``llm_d_epp_*`` request metrics, emitted beside the Inference Extension's
+``inference_objective_*`` / ``inference_extension_*`` ones (`epp.telemetry`), so dashboards
+written for either work.
+
+Their labels are llm-d-router's: ``model_name`` (the client's), ``target_model_name`` (after a
+rewrite), ``fairness_id`` (the ``x-llm-d-inference-fairness-id`` or
+``x-gateway-inference-fairness-id`` header, ``default-flow`` without one), ``priority`` (the
+InferenceObjective's, `epp.request_rules`), and ``streaming`` on the TTFT.  Buckets are
+upstream's.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from scorers.base import LLMRequest
+
+FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+DEFAULT_FAIRNESS_ID: Final = "default-flow"
+_LABELS: Final = ["model_name", "target_model_name", "fairness_id", "priority"]
+_TOKEN_BUCKETS: Final = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
+    262144, 524288, 1048576,
+)  # fmt: skip
+_OUTPUT_BUCKETS: Final = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_TTFT_BUCKETS: Final = (
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
+    30, 45, 60, 120,
+)  # fmt: skip
+_DURATION_BUCKETS: Final = (
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
+    30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
+)  # fmt: skip
+_SCHEDULER_BUCKETS: Final = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+)  # fmt: skip
+
+
+def fairness_id(request: LLMRequest) -> str:
+    for header in FAIRNESS_HEADERS:
+        if value := request.headers.get(header):
+            return value
+    return DEFAULT_FAIRNESS_ID
+
+
+def request_labels(request: LLMRequest) -> tuple[str, str, str, str]:
+    return request.client_model, request.model, fairness_id(request), str(request.priority)
+
+
+class LlmdMetrics:
+    """The ``llm_d_epp_*`` families, in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "llm_d_epp_request", "Total number of processed requests.", _LABELS, registry=r
+        )
+        self.errors = Counter(
+            "llm_d_epp_request_error",
+            "Total number of request errors.",
+            [*_LABELS, "error_code"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "llm_d_epp_request_duration_seconds",
+            "End-to-end request latency distribution in seconds.",
+            _LABELS,
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_d_epp_request_ttft_seconds",
+            "Time to first token in seconds, from the routing decision to the first response byte.",
+            [*_LABELS, "streaming"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            "llm_d_epp_request_input_tokens",
+            "Input token count distribution per request.",
+            _LABELS,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "llm_d_epp_request_output_tokens",
+            "Output token count distribution per request.",
+            _LABELS,
+            buckets=_OUTPUT_BUCKETS,
+            registry=r,
+        )
+        self.cached_tokens = Histogram(
+            "llm_d_epp_request_cached_tokens",
+            "Prompt tokens read from cache per request, as the model server reports them.",
+            _LABELS,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "llm_d_epp_request_running",
+            "Current number of active running requests.",
+            _LABELS,
+            registry=r,
+        )
+        self.scheduler_e2e = Histogram(
+            "llm_d_epp_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds.",
+            buckets=_SCHEDULER_BUCKETS,
+            registry=r,
+        )
+        self.model_rewrites = Counter(
+            "llm_d_epp_model_rewrite_decisions",
+            "Total number of inference model rewrite decisions.",
+            ["model_rewrite_name", "model_name", "target_model"],
+            registry=r,
+        )
