@@ -134,12 +134,24 @@ PARSER_OF_KIND: Final[Mapping[str, str]] = {
 ALL_PARSERS: Final = frozenset(PARSER_OF_KIND.values())
 
 
+# Paths a parser claims but forwards unparsed (routed by load), as llm-d-router's do.
+_CLAIMED_UNPARSED: Final = (
+    ("/messages/count_tokens", "anthropic-parser"),
+    ("/chat/completions/render", "openai-parser"),
+    ("/completions/render", "openai-parser"),
+    ("/images/generations", "openai-parser"),
+)
+
+
 def parsed_kind(path: str, parsers: frozenset[str] = ALL_PARSERS) -> RequestKind:
     """The API a request is parsed as with only ``parsers`` configured: its own parser's, else
     passthrough when configured; a path no configured parser claims is a `BadRequestError`."""
     kind = request_kind(path)
     if PARSER_OF_KIND[kind] in parsers:
         return kind
+    route = path.split("?", 1)[0].rstrip("/")
+    if any(route.endswith(end) and parser in parsers for end, parser in _CLAIMED_UNPARSED):
+        return "other"
     if "passthrough-parser" in parsers:
         return "other"
     raise BadRequestError(

@@ -265,3 +265,12 @@ def test_a_rewritten_body_with_a_lone_surrogate_is_still_forwarded() -> None:
     request = parse(b'{"model": "a", "prompt": "x\\ud83d"}')
     assert rewrite_model(request, "b")
     assert json.loads(forwarded_body(request)) == {"model": "b", "prompt": "x\ud83d"}
+
+
+def test_paths_a_parser_claims_but_does_not_parse_are_passed_through() -> None:
+    from epp.requests import parsed_kind
+
+    assert parsed_kind("/v1/messages/count_tokens", frozenset({"anthropic-parser"})) == "other"
+    assert parsed_kind("/v1/chat/completions/render", frozenset({"openai-parser"})) == "other"
+    with pytest.raises(BadRequestError):
+        parsed_kind("/v1/images/generations", frozenset({"anthropic-parser"}))
