@@ -101,9 +101,10 @@ _KV_SATURATED: Final = 0.8
 
 
 def pool_saturated(candidates: Sequence[Endpoint]) -> bool:
-    """Whether sheddable requests are dropped with admission limits off (as upstream)."""
+    """Whether sheddable requests are dropped with admission limits off (as upstream, where
+    an empty pool counts as saturated)."""
     if not candidates:
-        return False
+        return True
     load = [
         1.0
         if ep.metrics_stale

@@ -79,7 +79,10 @@ DEFAULT_PICKER: Final = "max-score-picker"
 DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
 
 IGNORED_TOP_LEVEL_KEYS: Final[Mapping[str, str]] = {
-    "saturationDetector": "saturation is judged by the load scorers and filters",
+    "saturationDetector": (
+        "its thresholds are not configurable here: sheddable requests are dropped on the "
+        "utilization detector's defaults (queue 5, KV 0.8)"
+    ),
     "flowControl": "flow control (request queueing) is not implemented",
 }
 """Top-level keys the Inference Extension / llm-d define that this EPP accepts and ignores."""

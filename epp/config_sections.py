@@ -37,6 +37,10 @@ FEATURE_GATES: Final[Mapping[str, bool]] = {
 PARSER_TYPES: Final = ("openai-parser", "anthropic-parser", "passthrough-parser")
 PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
 PREFIX_PRODUCER_TYPES: Final = (*PRECISE_TYPES, "approx-prefix-cache-producer")
+# prefix-cache-scorer parameters of its own approximate index (unused with a producer).
+_OWN_INDEX_KEYS: Final = frozenset(
+    {"blockSize", "hashBlockSize", "maxPrefixBlocksToMatch", "lruCapacityPerServer"}
+)
 # Which data sources feed which extractors here (what this EPP does built in).
 _EXTRACTORS: Final[Mapping[str, tuple[str, ...]]] = {
     "metrics-data-source": ("core-metrics-extractor",),
@@ -164,6 +168,12 @@ def producer_problems(plugins: Sequence[Any], types: Mapping[str, str]) -> list[
         if not producer:
             continue
         where = f"plugins[{i}].parameters.prefixMatchInfoProducerName"
+        own = sorted(set(spec.parameters or {}) & _OWN_INDEX_KEYS)
+        if spec.type == "prefix-cache-scorer" and own:
+            problems.append(
+                f"plugins[{i}].parameters: {', '.join(own)} size the scorer's own index, which "
+                f"is not used when it reads {producer!r}; set them on the producer"
+            )
         kind = types.get(producer)
         if kind is None:
             problems.append(f"{where}: {producer!r} is not a declared plugin")
@@ -176,17 +186,17 @@ def producer_problems(plugins: Sequence[Any], types: Mapping[str, str]) -> list[
 
 
 def with_prefix_producer(plugins: Sequence[Any]) -> list[Any]:
-    """``plugins`` with each ``prefix-cache-scorer`` that names no producer reading the one
-    ``approx-prefix-cache-producer`` declared, as llm-d-router wires it by default (without
-    one, the scorer keeps its own approximate index, the Inference Extension's)."""
-    approx = [spec.name for spec in plugins if spec.type == "approx-prefix-cache-producer"]
-    if len(approx) != 1:
+    """``plugins`` with each ``prefix-cache-scorer`` that names no producer reading the plugin
+    named ``approx-prefix-cache-producer``, as llm-d-router wires it by default (without one,
+    the scorer keeps its own approximate index, the Inference Extension's)."""
+    default = "approx-prefix-cache-producer"  # upstream binds the producer of this name
+    if not any(spec.name == default and spec.type == default for spec in plugins):
         return list(plugins)
     out = []
     for spec in plugins:
         params = dict(spec.parameters or {})
         if spec.type == "prefix-cache-scorer" and not params.get("prefixMatchInfoProducerName"):
-            params["prefixMatchInfoProducerName"] = approx[0]
+            params["prefixMatchInfoProducerName"] = default
             spec = spec.model_copy(update={"parameters": params})
         out.append(spec)
     return out

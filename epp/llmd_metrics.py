@@ -38,6 +38,12 @@ _SCHEDULER_BUCKETS: Final = (
 )  # fmt: skip
 
 
+# Label values a client chooses (model names, fairness ids) are capped as llm-d-router caps
+# them: the first 1,000 distinct values are kept, later ones count as "other".
+MAX_LABEL_VALUES: Final = 1000
+OVERFLOW: Final = "other"
+
+
 def fairness_id(request: LLMRequest) -> str:
     for header in FAIRNESS_HEADERS:
         if value := request.headers.get(header):
@@ -45,8 +51,21 @@ def fairness_id(request: LLMRequest) -> str:
     return DEFAULT_FAIRNESS_ID
 
 
-def request_labels(request: LLMRequest) -> tuple[str, str, str, str]:
-    return request.client_model, request.model, fairness_id(request), str(request.priority)
+class BoundedLabel:
+    """A label's values, capped at ``limit`` distinct ones; the mapping never changes once a
+    value is seen, so a gauge's increment and decrement land on the same series."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if not value or value in self._seen:
+            return value
+        if len(self._seen) >= self.limit:
+            return OVERFLOW
+        self._seen.add(value)
+        return value
 
 
 class LlmdMetrics:
@@ -54,6 +73,8 @@ class LlmdMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.bound_model = BoundedLabel()
+        self.bound_fairness = BoundedLabel()
         self.requests = Counter(
             "llm_d_epp_request", "Total number of processed requests.", _LABELS, registry=r
         )
@@ -116,3 +137,12 @@ class LlmdMetrics:
             ["model_rewrite_name", "model_name", "target_model"],
             registry=r,
         )
+
+    def models(self, request: LLMRequest) -> tuple[str, str]:
+        """(model_name, target_model_name), capped."""
+        return self.bound_model(request.client_model), self.bound_model(request.model)
+
+    def labels(self, request: LLMRequest) -> tuple[str, str, str, str]:
+        """(model_name, target_model_name, fairness_id, priority), capped."""
+        client, model = self.models(request)
+        return client, model, self.bound_fairness(fairness_id(request)), str(request.priority)

@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.gauges import GaugeSample
-from epp.llmd_metrics import LlmdMetrics, request_labels
+from epp.llmd_metrics import LlmdMetrics
 from scorers.base import LLMRequest, Usage
 
 # Decision latencies are sub-millisecond to tens of milliseconds.
@@ -181,24 +181,27 @@ class Telemetry:
         self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe(seconds)
 
     # -- a request's life, in both name families (this module's and `epp.llmd_metrics`') ----
+    # Model names and fairness ids come from clients: both families use the capped values.
 
     def request_routed(self, request: LLMRequest) -> None:
-        self.requests.labels(request.client_model, request.model).inc()
-        self.running_requests.labels(request.model).inc()
-        labels = request_labels(request)
+        client, model = self.llmd.models(request)
+        self.requests.labels(client, model).inc()
+        self.running_requests.labels(model).inc()
+        labels = self.llmd.labels(request)
         self.llmd.requests.labels(*labels).inc()
         self.llmd.running.labels(*labels).inc()
 
     def first_byte(self, request: LLMRequest, seconds: float) -> None:
-        self.request_ttft.labels(request.client_model, request.model).observe(seconds)
+        client, model = self.llmd.models(request)
+        self.request_ttft.labels(client, model).observe(seconds)
         streaming = "true" if request.stream else "false"
-        self.llmd.ttft.labels(*request_labels(request), streaming).observe(seconds)
+        self.llmd.ttft.labels(*self.llmd.labels(request), streaming).observe(seconds)
 
     def request_finished(
         self, request: LLMRequest, seconds: float | None, status: int, usage: Usage | None
     ) -> None:
-        client, model = request.client_model, request.model
-        labels = request_labels(request)
+        client, model = self.llmd.models(request)
+        labels = self.llmd.labels(request)
         self.running_requests.labels(model).dec()
         self.llmd.running.labels(*labels).dec()
         if seconds is not None:
@@ -217,16 +220,18 @@ class Telemetry:
                 self.llmd.cached_tokens.labels(*labels).observe(usage.cached_tokens)
 
     def request_refused(self, request: LLMRequest | None, status: int) -> None:
-        client = request.client_model if request is not None else ""
-        model = request.model if request is not None else ""
+        if request is None:
+            self.request_errors.labels("", "", str(status)).inc()
+            return
+        client, model = self.llmd.models(request)
         self.request_errors.labels(client, model, str(status)).inc()
-        if request is not None:
-            self.llmd.errors.labels(*request_labels(request), str(status)).inc()
+        self.llmd.errors.labels(*self.llmd.labels(request), str(status)).inc()
 
     def scheduled(self, seconds: float) -> None:
         self.scheduler_e2e.observe(seconds)
         self.llmd.scheduler_e2e.observe(seconds)
 
     def model_rewritten(self, rewrite: str, client_model: str, target: str) -> None:
-        self.model_rewrite_decisions.labels(rewrite, client_model, target).inc()
-        self.llmd.model_rewrites.labels(rewrite, client_model, target).inc()
+        client = self.llmd.bound_model(client_model)
+        self.model_rewrite_decisions.labels(rewrite, client, target).inc()
+        self.llmd.model_rewrites.labels(rewrite, client, target).inc()

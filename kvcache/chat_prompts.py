@@ -21,8 +21,11 @@ These functions reproduce those conversions for the shapes they cover:
 What they do not cover raises `Unsupported` with the reason (the scorer then computes no block
 keys for the request and says so once): tools, tool calls and results, images, thinking and
 reasoning settings, inline system messages in a Messages conversation (vLLM merges them or not
-depending on the chat template), and Responses that continue a stored response
-(``previous_response_id``, ``conversation``: the server holds that history).
+depending on the chat template), Responses that continue a stored response
+(``previous_response_id``, ``conversation``: the server holds that history), and bodies of
+another shape than the APIs'.  Models vLLM renders with another renderer than the chat
+template (gpt-oss's harmony) are not told apart here: their chat requests are keyed as the
+template renders them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import Any, Final
 from kvcache.view import ChatPrompt
 
 _BILLING_HEADER: Final = "x-anthropic-billing-header"
+# Block types vLLM converts that are not reproduced here (named in the warning).
+_BLOCKS: Final = frozenset({"image", "thinking", "tool_use", "tool_result", "tool_reference"})
 
 
 class Unsupported(ValueError):
@@ -41,9 +46,27 @@ class Unsupported(ValueError):
 
 def anthropic_chat(body: Mapping[str, Any]) -> ChatPrompt:
     """The chat vLLM renders for an Anthropic Messages request body."""
-    for key in ("tools", "thinking"):
-        if body.get(key):
-            raise Unsupported(f"{key}")
+    try:
+        return _anthropic_chat(body)
+    except (AttributeError, KeyError, TypeError, IndexError) as exc:
+        raise Unsupported("a body of an unexpected shape") from exc
+
+
+def responses_chat(body: Mapping[str, Any]) -> ChatPrompt:
+    """The chat vLLM renders for an OpenAI Responses request body."""
+    try:
+        return _responses_chat(body)
+    except (AttributeError, KeyError, TypeError, IndexError) as exc:
+        raise Unsupported("a body of an unexpected shape") from exc
+
+
+def _anthropic_chat(body: Mapping[str, Any]) -> ChatPrompt:
+    # "tools": [] counts too: vLLM then sets tool_choice "auto", and with a tool parser the
+    # template renders its tool preamble.
+    if "tools" in body:
+        raise Unsupported("tools")
+    if body.get("thinking"):
+        raise Unsupported("thinking")
     if (body.get("output_config") or {}).get("effort") is not None:
         raise Unsupported("output_config.effort")
     messages: list[dict[str, Any]] = []
@@ -76,7 +99,7 @@ def anthropic_chat(body: Mapping[str, Any]) -> ChatPrompt:
                 if block.get("text"):
                     parts.append({"type": "text", "text": block["text"]})
             elif kind != "redacted_thinking":  # vLLM skips these; the rest it converts
-                raise Unsupported(f"a {kind} block")
+                raise Unsupported(f"{kind} blocks" if kind in _BLOCKS else "unknown blocks")
         if parts:
             text = parts[0]["text"] if len(parts) == 1 else parts
             messages.append({"role": role, "content": text})
@@ -85,9 +108,10 @@ def anthropic_chat(body: Mapping[str, Any]) -> ChatPrompt:
     return ChatPrompt(messages=messages, chat_template_kwargs=body.get("chat_template_kwargs"))
 
 
-def responses_chat(body: Mapping[str, Any]) -> ChatPrompt:
-    """The chat vLLM renders for an OpenAI Responses request body."""
-    for key in ("tools", "previous_response_id", "conversation", "reasoning"):
+def _responses_chat(body: Mapping[str, Any]) -> ChatPrompt:
+    if "tools" in body:
+        raise Unsupported("tools")
+    for key in ("previous_response_id", "conversation", "reasoning"):
         if body.get(key):
             raise Unsupported(key)
     messages: list[dict[str, Any]] = []
@@ -101,8 +125,7 @@ def responses_chat(body: Mapping[str, Any]) -> ChatPrompt:
     else:
         for item in given or []:
             if not isinstance(item, dict) or "role" not in item:
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise Unsupported(f"an input item of type {kind}")
+                raise Unsupported("input items other than messages")
             if item["role"] == "assistant":
                 content = item.get("content")
                 text = content if isinstance(content, str) else (content or [{}])[0].get("text")

@@ -9,9 +9,11 @@ hashing, which every replica computes alike from the same live set.  When a repl
 lease expires and its pods move to the others within ``leaseSeconds`` plus one renewal; the new
 owner subscribes, and its first contact fetches the pod's replay buffer from seq 0, so the
 events published meanwhile are applied (writes are idempotent: re-applying what was written
-changes nothing).  A replica that stops cleanly leaves at once.  While the store does not answer,
-a replica keeps the streams it has for one lease, then gives them up (the others may own them
-by then) until a renewal succeeds.
+changes nothing).  A replica that stops cleanly leaves at once.  While the store does not answer
+(or its renewals time out), a replica keeps the streams it has: a renewal that timed out on
+this side has often been applied by the server, so the lease may well be alive and nobody else
+would take the pods; if it did lapse, another replica ingests them too for a while, which the
+idempotent writes tolerate better than no replica ingesting them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -102,35 +103,10 @@ class StreamOwnership:
         await loop.run_in_executor(self._executor, self.store.leave, self.replica)
 
     def _keep(self, loop: asyncio.AbstractEventLoop) -> None:
-        renewed = time.monotonic()
-        lapsed = False
         while not self._stopping.wait(self.lease_s / 3):
             live = self._renew_once()
-            if loop.is_closed():
-                return
-            if live is not None:
-                renewed, lapsed = time.monotonic(), False
+            if live is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._apply, live)
-            elif not lapsed and time.monotonic() - renewed > self.lease_s:
-                # The lease has expired in the store: the other replicas take these streams,
-                # and ingesting them too would make two writers per pod.
-                lapsed = True
-                loop.call_soon_threadsafe(self._lapse)
-
-    def _lapse(self) -> None:
-        if self.owned:
-            logger.warning(
-                "KV-event lease of %s not renewed for %.1f s: giving up its %d streams until "
-                "a renewal succeeds",
-                self.replica,
-                self.lease_s,
-                len(self.owned),
-            )
-        for address in sorted(self.owned):
-            self._unsubscribe(address)
-            self.moves_total += 1
-        self.owned = set()
-        self.live = []
 
     def _renew_once(self) -> list[str] | None:
         return self.store.renew(self.replica, self.lease_s)

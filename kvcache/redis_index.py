@@ -372,8 +372,8 @@ class RedisStore:
         try:
             live = self._renew(args=[self.namespace, replica, int(lease_s * 1000)])
         except valkey.TimeoutError:
-            # Busy: the next renewal, a third of the lease later, tries again; the ownership
-            # gives its streams up if none succeeds within the lease.
+            # Busy: the next renewal, a third of the lease later, tries again; this replica
+            # keeps its streams meanwhile (`kvcache.ownership`).
             self.renew_timeouts_total += 1
             if self.renew_timeouts_total == 1 or self.renew_timeouts_total % 100 == 0:
                 logger.warning(
@@ -597,8 +597,8 @@ class RedisIndex:
         )
         yield GaugeSample(
             "inference_extension_kv_store_renew_timeouts",
-            "Lease renewals that timed out on a busy store (cumulative); with none succeeding "
-            "for a whole lease, the replica gives its KV-event streams up.",
+            "Lease renewals that timed out on a busy store (cumulative); the replica keeps its "
+            "KV-event streams meanwhile.",
             store.renew_timeouts_total,
         )
         yield GaugeSample(

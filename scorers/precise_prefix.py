@@ -153,7 +153,7 @@ class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's setting
                 prompt = convert(request.body)
             except Unsupported as exc:
                 self.view.warn_once(
-                    f"unsupported:{request.kind}:{exc}",
+                    f"unsupported:{request.kind}:{exc}",  # reasons are a fixed set
                     f"{request.kind} requests with {exc} get no prefix scores: vLLM's "
                     "rendering of it is not reproduced here; they are routed by the other "
                     "scorers",

@@ -377,67 +377,77 @@ class ApproxPrefixProducerParameters(BaseModel):
 
     autoTune: bool = Field(
         default=True,
-        description="Blocks of the pods' own block size (vllm:cache_config_info), learned on "
-        "the first request whose candidates report it; blockSizeTokens until then.",
+        description="Blocks of the candidates' own block size (vllm:cache_config_info of the "
+        "first that reports one) instead of blockSizeTokens.",
     )
     blockSizeTokens: int = Field(default=16, ge=1, le=1 << 16)
-    blockSize: int | None = Field(
-        default=None, ge=4, le=1 << 20, description="Deprecated upstream: block size in characters."
+    blockSize: int = Field(
+        default=0, ge=0, le=1 << 16, description="Deprecated upstream name of blockSizeTokens."
     )
     maxPrefixTokensToMatch: int = Field(
-        default=131072, ge=0, le=1 << 24, description="0: the whole prompt."
+        default=131072, ge=0, le=1 << 24, description="Wins over maxPrefixBlocksToMatch when > 0."
     )
-    maxPrefixBlocksToMatch: int | None = Field(
-        default=None, ge=1, le=1 << 20, description="Deprecated upstream: a bound in blocks."
+    maxPrefixBlocksToMatch: int = Field(
+        default=2048, ge=0, le=1 << 20, description="0 (with no token cap): the whole prompt."
     )
     lruCapacityPerServer: int = Field(default=31250, ge=1, le=1 << 30)
 
 
-# A prompt cut into blocks of this many tokens is hashed in blocks of this many bytes times
-# the block's tokens (the Inference Extension's estimate: 4 bytes per token).
+# A block of N tokens is N × 4 bytes of prompt (the Inference Extension's estimate).
 _BYTES_PER_TOKEN = CHARS_PER_TOKEN_ESTIMATE
+# llm-d-router's floor on the block size: its index holds one entry per (pod, block), and
+# vLLM's 16-token blocks made it 4× larger than needed (llm-d-router #1158).
+_MIN_BLOCK_TOKENS = 64
+_UNLIMITED_BLOCKS = 1 << 20
 
 
 @register("approx-prefix-cache-producer")
 class ApproxPrefixCacheProducer(Plugin[ApproxPrefixProducerParameters]):
-    """llm-d-router's approximate prefix producer: this module's routing-history index (blocks
-    of ``blockSizeTokens`` × 4 bytes of prompt), publishing its match for a
+    """llm-d-router's approximate prefix producer: this module's routing-history index, in
+    blocks of the block size in tokens × 4 bytes of prompt, publishing its match for a
     ``prefix-cache-scorer`` (`scorers.request_data.PrefixMatchInfo`, under its name).  It does
-    not score.  With ``autoTune`` the block is the pods' own block size once their metrics
-    report it (fixed from then on: earlier hashes would not match later ones otherwise)."""
+    not score.  As upstream: the block size is ``blockSizeTokens`` (or, with ``autoTune``, the
+    first candidate's reported one), at least 64; the token cap wins over the block cap, and
+    both at 0 match the whole prompt."""
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         p = self.p
-        self.block_tokens = (
-            max(1, p.blockSize // _BYTES_PER_TOKEN) if p.blockSize else p.blockSizeTokens
+        # The deprecated blockSize maps to blockSizeTokens when that is left at its default.
+        self.configured_tokens = (
+            p.blockSize if p.blockSize and p.blockSizeTokens == 16 else p.blockSizeTokens
         )
-        self._tuned = not p.autoTune
         self.index = PrefixBlockIndex(p.lruCapacityPerServer)
         self._state_key = f"{self.type_name}/{name}"
 
-    def _max_blocks(self) -> int:
+    def block_tokens(self, endpoints: Sequence[Endpoint]) -> int:
+        size = self.configured_tokens
+        if self.p.autoTune:
+            reported = next(
+                (ep.metrics.block_size for ep in endpoints if ep.metrics.block_size), None
+            )
+            size = reported or size
+        return max(size, _MIN_BLOCK_TOKENS)
+
+    def max_blocks(self, block_tokens: int) -> int:
         p = self.p
-        if p.maxPrefixBlocksToMatch is not None:
-            return p.maxPrefixBlocksToMatch
-        if p.maxPrefixTokensToMatch == 0:
-            return 1 << 20
-        return max(1, p.maxPrefixTokensToMatch // self.block_tokens)
+        if p.maxPrefixTokensToMatch > 0:
+            return p.maxPrefixTokensToMatch // block_tokens
+        return p.maxPrefixBlocksToMatch or _UNLIMITED_BLOCKS
 
     async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None:
-        if not self._tuned:
-            sizes = [ep.metrics.block_size for ep in endpoints if ep.metrics.block_size]
-            if sizes:
-                self.block_tokens, self._tuned = min(sizes), True
-        block = self.block_tokens * _BYTES_PER_TOKEN
-        limit = self._max_blocks()
-        data = prompt_bytes(request, block * limit)
-        hashes = block_hashes(data, block, limit, request.model, request.cache_salt)
+        tokens = self.block_tokens(endpoints)
+        block = tokens * _BYTES_PER_TOKEN
+        limit = self.max_blocks(tokens)
+        data = prompt_bytes(request, block * limit) if limit else b""
+        hashes = (
+            block_hashes(data, block, limit, request.model, request.cache_salt) if limit else []
+        )
         matched = self.index.longest_prefix(hashes)
         request.data[self._state_key] = _RequestState(hashes, matched)
         record_prefix_matches(request, matched)
         request.data[prefix_match_info_key(self.name)] = PrefixMatchInfo(
-            matched, {a: float(n) for a, n in matched.items()}, len(hashes), self.block_tokens
+            matched, {a: float(n) for a, n in matched.items()}, len(hashes), tokens
         )
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:

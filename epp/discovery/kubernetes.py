@@ -461,6 +461,8 @@ class KubernetesDiscovery:
                 rv = None
                 status = _status_code(exc)
                 if status in (403, 404):
+                    objects = {}
+                    self._post_rules(apply, objects)  # what cannot be read does not apply
                     if not missing_said:
                         missing_said = True
                         why = (
@@ -469,12 +471,13 @@ class KubernetesDiscovery:
                             else "may not be read (add get/list/watch on it to the EPP's Role)"
                         )
                         log.info(
-                            "%s.%s/%s %s in %s: none apply (looked for again every minute)",
+                            "%s.%s/%s %s in %s: none apply (looked for again every %g s)",
                             plural,
                             RULES_GROUP,
                             RULES_VERSION,
                             why,
                             self.pool_ref.namespace,
+                            self.rules_retry_s,
                         )
                     self._sleep(self.rules_retry_s)
                     continue

@@ -219,3 +219,14 @@ async def test_without_limits_a_sheddable_request_is_dropped_when_the_pool_is_sa
         await director.route(sheddable(), None)
     normal = await director.route(_request(1), None)  # only sheddable requests are dropped
     director.response_complete(normal, None, 200)
+
+
+def test_pool_saturation_follows_the_utilization_detector() -> None:
+    from epp.admission import pool_saturated
+
+    fresh = Endpoint(address="10.0.0.1:8000", metrics=EndpointMetrics(waiting_requests=1))
+    stale = Endpoint(address="10.0.0.2:8000", metrics_stale=True)
+    assert not pool_saturated([fresh])  # 1/5 = 0.2
+    assert pool_saturated([stale])  # stale metrics count as saturated
+    assert not pool_saturated([fresh, stale])  # mean 0.6
+    assert pool_saturated([])  # an empty pool is saturated, as upstream (429, not 503)

@@ -844,3 +844,21 @@ async def test_llm_d_router_approximate_producer_feeds_the_prefix_scorer() -> No
     # No producer declared: the scorer keeps its own approximate index (the GIE's).
     standalone = load("plugins: [{type: prefix-cache-scorer}]")
     assert "prefixMatchInfoProducerName" not in standalone.plugins[0].parameters
+
+
+def test_a_prefix_scorer_reading_a_producer_refuses_its_own_index_parameters() -> None:
+    (problem,) = problems(
+        """
+        plugins:
+        - type: approx-prefix-cache-producer
+        - type: prefix-cache-scorer
+          parameters: {lruCapacityPerServer: 100}
+        """
+    )
+    assert problem.startswith("plugins[1].parameters: lruCapacityPerServer size the scorer's")
+    # A producer under another name is not bound by default (upstream binds by name).
+    config = load(
+        "plugins: [{type: approx-prefix-cache-producer, name: mine}, {type: prefix-cache-scorer}]"
+    )
+    scorer = next(s for s in config.plugins if s.type == "prefix-cache-scorer")
+    assert "prefixMatchInfoProducerName" not in scorer.parameters

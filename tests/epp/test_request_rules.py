@@ -238,3 +238,17 @@ async def test_llm_d_router_metric_names_are_emitted_beside_the_inference_extens
     old = {"model_name": "alias", "target_model_name": "served"}
     assert sample("inference_objective_request_total", old) == 1.0  # still emitted
     assert sample("inference_objective_input_tokens_sum", old) == 7.0
+
+
+def test_client_chosen_label_values_are_capped_as_upstream() -> None:
+    from epp.llmd_metrics import BoundedLabel
+
+    bound = BoundedLabel(limit=2)
+    assert [bound(v) for v in ("a", "b", "c", "a", "d", "")] == [
+        "a",
+        "b",
+        "other",
+        "a",
+        "other",
+        "",
+    ]

@@ -75,19 +75,22 @@ def test_responses_become_the_chat_vllm_builds() -> None:
     ("convert", "body", "reason"),
     [
         (anthropic_chat, {"tools": [{"name": "f"}], "messages": []}, "tools"),
+        (anthropic_chat, {"tools": [], "messages": []}, "tools"),  # vLLM: tool_choice auto
+        (anthropic_chat, {"messages": [{"role": "user", "content": 3}]}, "unexpected shape"),
+        (responses_chat, {"input": [{"role": "assistant", "content": [3]}]}, "unexpected shape"),
         (anthropic_chat, {"thinking": {"type": "enabled"}, "messages": []}, "thinking"),
         (anthropic_chat, {"messages": [{"role": "system", "content": "x"}]}, "inline system"),
         (
             anthropic_chat,
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "a image block",
+            "image blocks",
         ),
         (responses_chat, {"input": "x", "previous_response_id": "r1"}, "previous_response_id"),
         (responses_chat, {"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
         (
             responses_chat,
             {"input": [{"type": "function_call_output", "output": "1"}]},
-            "of type function_call_output",
+            "input items other than messages",
         ),
     ],
 )

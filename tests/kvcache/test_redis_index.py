@@ -538,18 +538,18 @@ async def test_replicas_share_the_streams_and_take_over_a_dead_ones(
         context.destroy(linger=0)
 
 
-async def test_a_replica_whose_renewals_time_out_gives_its_streams_up(
+async def test_a_replica_whose_renewals_time_out_keeps_its_streams(
     server: KVStoreServer,
 ) -> None:
-    # The store is kept busy (a script) for longer than the lease: every renewal times out,
-    # the lease lapses in the store and other replicas may take the pods, so this replica
-    # gives its streams up (counted, logged) and takes them back once a renewal succeeds.
+    # The store is kept busy (a script) for longer than the lease: renewals time out, are
+    # counted, and the replica keeps ingesting its pods (the server often applied the renewal
+    # anyway, so no other replica would take them); once the store answers, nothing moved.
     import threading
 
     from kvcache.ownership import StreamOwnership
     from scorers.base import Endpoint
 
-    store = _store(server, namespace="lapse")
+    store = _store(server, namespace="busy-lease")
     subscribed: list[str] = []
     unsubscribed: list[str] = []
     ownership = StreamOwnership(
@@ -568,19 +568,13 @@ async def test_a_replica_whose_renewals_time_out_gives_its_streams_up(
     try:
         await ownership.start(None)
         ownership.endpoint_added(Endpoint(address=PODS[0]))
-        assert ownership.owned == {PODS[0]} and subscribed == [PODS[0]]
+        assert ownership.owned == {PODS[0]}
         blocker = threading.Thread(target=busy)
         blocker.start()
-        deadline = time.monotonic() + 5
-        while not unsubscribed and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert unsubscribed == [PODS[0]] and ownership.owned == set()
-        assert store.renew_timeouts_total >= 1
         await asyncio.to_thread(blocker.join)
-        deadline = time.monotonic() + 5
-        while len(subscribed) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert subscribed == [PODS[0], PODS[0]] and ownership.owned == {PODS[0]}
+        assert store.renew_timeouts_total >= 1
+        await asyncio.sleep(0.5)  # a renewal after the store answers again
+        assert ownership.owned == {PODS[0]} and unsubscribed == [] and subscribed == [PODS[0]]
     finally:
         await ownership.stop()
         client.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from typing import Any
 
 import pytest
 import xxhash
@@ -227,26 +229,30 @@ async def test_with_a_producer_named_it_scores_the_producers_match() -> None:
         make("prefix-cache-scorer", {"matchLengthWeight": 2})
 
 
-async def test_the_approximate_producer_learns_the_pods_block_size_once() -> None:
+def test_the_approximate_producer_sizes_blocks_and_caps_as_upstream() -> None:
     from scorers.base import EndpointMetrics
     from scorers.request_data import prefix_match_info_key
 
-    producer = make("approx-prefix-cache-producer", {"maxPrefixTokensToMatch": 64})
+    def info(producer: Any, ep: Any) -> Any:
+        req = request(prompt="y" * 100_000)
+        asyncio.run(producer.prepare(req, [ep]))
+        return req.data[prefix_match_info_key(producer.name)]
+
     a = endpoint("10.0.0.1:8000")
-    req = request(prompt="y" * 1000)
-    await producer.prepare(req, [a])  # no block size reported yet: blockSizeTokens (16)
-    info = req.data[prefix_match_info_key(producer.name)]
-    assert (info.block_size, info.total_blocks) == (16, 4)  # 64 tokens at most
-    a.metrics = EndpointMetrics(block_size=32)
-    req = request(prompt="y" * 1000)
-    await producer.prepare(req, [a])
-    info = req.data[prefix_match_info_key(producer.name)]
-    assert (info.block_size, info.total_blocks) == (32, 2)
-    a.metrics = EndpointMetrics(block_size=64)  # fixed once learned
-    req = request(prompt="y" * 1000)
-    await producer.prepare(req, [a])
-    assert req.data[prefix_match_info_key(producer.name)].block_size == 32
-    fixed = make("approx-prefix-cache-producer", {"autoTune": False, "blockSizeTokens": 8})
-    req = request(prompt="y" * 1000)
-    await fixed.prepare(req, [a])
-    assert req.data[prefix_match_info_key(fixed.name)].block_size == 8
+    default = make("approx-prefix-cache-producer")
+    # blockSizeTokens 16 is raised to llm-d-router's floor of 64; 100,000 bytes at 4 bytes a
+    # token are 390 blocks of 64 tokens, under the 131,072-token cap.
+    assert (info(default, a).block_size, info(default, a).total_blocks) == (64, 390)
+    a.metrics = EndpointMetrics(block_size=128)  # autoTune: the candidates' block size
+    assert info(default, a).block_size == 128
+    capped = make(
+        "approx-prefix-cache-producer", {"maxPrefixTokensToMatch": 640, "maxPrefixBlocksToMatch": 3}
+    )
+    assert info(capped, a).total_blocks == 5  # the token cap wins: 640 / 128
+    whole = make(
+        "approx-prefix-cache-producer",
+        {"autoTune": False, "maxPrefixTokensToMatch": 0, "maxPrefixBlocksToMatch": 0},
+    )
+    assert info(whole, a).total_blocks == 390  # both caps 0: the whole prompt
+    legacy = make("approx-prefix-cache-producer", {"autoTune": False, "blockSize": 100})
+    assert info(legacy, a).block_size == 100  # the deprecated name, in tokens
