@@ -130,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--pool-group", default="inference.networking.k8s.io", help="InferencePool API group"
     )
+    k.add_argument(
+        "--endpoint-selector",
+        help="pool-less mode (the Inference Extension's): pods in --pool-namespace with these "
+        "labels (key=value,key=value) are the endpoints; needs --endpoint-target-ports",
+    )
+    k.add_argument(
+        "--endpoint-target-ports",
+        help="with --endpoint-selector: the pods' serving ports (1 to 8, comma-separated; one "
+        "endpoint per port)",
+    )
     st = s.add_argument_group("static discovery (no cluster)")
     st.add_argument("--endpoints", help="comma-separated ip:port list of model servers")
     st.add_argument(

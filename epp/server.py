@@ -40,7 +40,7 @@ from epp.datastore import Datastore
 from epp.director import Director
 from epp.discovery import Discovery
 from epp.discovery.kubernetes import KubernetesDiscovery
-from epp.discovery.pool import PoolRef
+from epp.discovery.pool import PoolRef, selector_pool
 from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.gauges import GaugeSample
@@ -98,6 +98,8 @@ class ServerOptions:
     enable_cert_reload: bool = False
     kv_cache_grpc_port: int | None = None
     disable_endpoint_subset_filter: bool | None = None
+    endpoint_selector: str | None = None
+    endpoint_target_ports: str | None = None
 
 
 class EndpointPicker:
@@ -162,6 +164,19 @@ class EndpointPicker:
 
     def _discovery(self) -> Discovery:
         opts = self.options
+        if opts.endpoint_selector is not None:
+            if opts.pool_name or opts.endpoints or opts.endpoints_file:
+                raise ValueError(
+                    "--endpoint-selector (pool-less discovery) excludes --pool-name, "
+                    "--endpoints and --endpoints-file; pass one"
+                )
+            return KubernetesDiscovery(
+                self.datastore,
+                PoolRef(name="(endpoint-selector)", namespace=opts.pool_namespace),
+                fixed_pool=selector_pool(opts.endpoint_selector, opts.endpoint_target_ports),
+                kv_events_port=opts.kv_events_port,
+                replay_port=opts.kv_events_replay_port,
+            )
         if opts.pool_name:
             if opts.endpoints or opts.endpoints_file:
                 raise ValueError(

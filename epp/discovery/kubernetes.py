@@ -133,6 +133,7 @@ class KubernetesDiscovery:
         pool: PoolRef,
         *,
         api_client: Any = None,
+        fixed_pool: PoolSpec | None = None,
         rules: RequestRules | None = None,
         kv_events_port: int | None = None,
         replay_port: int | None = None,
@@ -148,6 +149,9 @@ class KubernetesDiscovery:
         self.datastore = datastore
         self.pool_ref = pool
         self.rules = rules
+        # The Inference Extension's pool-less mode (--endpoint-selector): a selector and ports
+        # given on the command line, no InferencePool object to watch.
+        self.fixed_pool = fixed_pool
         self.kv_events_port = kv_events_port
         self.replay_port = replay_port
         self.watch_timeout = watch_timeout
@@ -187,10 +191,13 @@ class KubernetesDiscovery:
         self._custom = client.CustomObjectsApi(self._api_client)
         with self._cond:
             self._stopping = False
-        loops: list[tuple[str, Callable[[], None]]] = [
-            ("pool", self._run_pool),
-            ("pods", self._run_pods),
-        ]
+        loops: list[tuple[str, Callable[[], None]]] = [("pods", self._run_pods)]
+        if self.fixed_pool is None:
+            loops.append(("pool", self._run_pool))
+        else:
+            with self._cond:
+                self._pool, self._pool_listed = self.fixed_pool, True
+                self._generation += 1
         if self.rules is not None:
             rules = self.rules
             loops += [

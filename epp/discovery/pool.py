@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from epp.datastore import EndpointSpec
-from epp.discovery import DiscoveryError, event_urls, format_address
+from epp.discovery import DiscoveryConfigError, DiscoveryError, event_urls, format_address
 
 POOL_GROUP: Final = "inference.networking.k8s.io"
 POOL_GROUP_ALPHA: Final = "inference.networking.x-k8s.io"  # v1alpha2, before GIE v1.0
@@ -148,3 +148,33 @@ def pod_endpoints(
             )
         )
     return tuple(out)
+
+
+def selector_pool(selector: str, target_ports: str | None) -> PoolSpec:
+    """The pool of the Inference Extension's pool-less mode: ``--endpoint-selector k=v,k2=v2``
+    (pods in ``--pool-namespace`` with all these labels) and ``--endpoint-target-ports
+    8000,8001`` (1 to 8 ports, one endpoint per port: data-parallel ranks).  Raises
+    `DiscoveryConfigError` naming the flag."""
+    pairs = []
+    for term in selector.split(","):
+        key, sep, value = term.strip().partition("=")
+        if not sep or not key.strip():
+            raise DiscoveryConfigError(
+                f"--endpoint-selector {selector!r}: expected key=value[,key=value...]"
+            )
+        pairs.append((key.strip(), value.strip()))
+    if not target_ports:
+        raise DiscoveryConfigError(
+            "--endpoint-selector needs --endpoint-target-ports (1 to 8 ports)"
+        )
+    try:
+        ports = tuple(int(p) for p in target_ports.replace(" ", "").split(","))
+    except ValueError:
+        raise DiscoveryConfigError(
+            f"--endpoint-target-ports {target_ports!r}: expected port numbers, e.g. 8000,8001"
+        ) from None
+    if not 1 <= len(ports) <= 8 or len(set(ports)) != len(ports):
+        raise DiscoveryConfigError("--endpoint-target-ports: 1 to 8 distinct ports")
+    if any(not 1 <= p <= 65535 for p in ports):
+        raise DiscoveryConfigError("--endpoint-target-ports: ports are 1..65535")
+    return PoolSpec(selector=tuple(sorted(pairs)), target_ports=ports)

@@ -69,8 +69,9 @@ async def _statuses(port: int) -> dict[str, int]:
         }
 
 
+@pytest.mark.parametrize("mode", ["pool", "endpoint-selector"])
 async def test_epp_runs_with_the_inference_extensions_own_arguments(
-    kube: FakeKubeApiServer, tmp_path: Path
+    kube: FakeKubeApiServer, tmp_path: Path, mode: str
 ) -> None:
     kube.put_pool("vllm-pool", match_labels={"app": "vllm"}, ports=[8000], namespace=NAMESPACE)
     kube.put_pod("vllm-0", labels={"app": "vllm"}, ip="127.0.0.1", namespace=NAMESPACE)
@@ -79,13 +80,19 @@ async def test_epp_runs_with_the_inference_extensions_own_arguments(
     kubeconfig = tmp_path / "kubeconfig"
     _kubeconfig(kubeconfig, kube.url)
     grpc_port, health_port, metrics_port = reserve_port(), reserve_port(), reserve_port()
+    # The chart's endpoints mode replaces the pool with a selector and ports.
+    where = (
+        ["--pool-name", "vllm-pool", "--pool-group", "inference.networking.k8s.io"]
+        if mode == "pool"
+        else ["--endpoint-selector", "app=vllm", "--endpoint-target-ports", "8000"]
+    )
     args = [
         # conformance/resources/base.yaml
-        "--pool-name", "vllm-pool", "--pool-namespace", NAMESPACE, "--v", "4",
+        *where, "--pool-namespace", NAMESPACE, "--v", "4",
         "--zap-encoder", "json", "--grpc-port", str(grpc_port),
         "--grpc-health-port", str(health_port), "--config-file", str(config),
         # the inferencepool chart's Deployment adds these
-        "--pool-group", "inference.networking.k8s.io", "--tracing=false",
+        "--tracing=false",
         "--ha-enable-leader-election", "--metrics-port", str(metrics_port),
         "--kv-events-port", "off",
     ]  # fmt: skip

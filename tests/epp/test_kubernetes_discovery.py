@@ -432,3 +432,38 @@ def test_fake_label_selector_semantics() -> None:
     assert label_selector_matches("app==vllm,tier!=cpu,!missing,app", labels)
     assert not label_selector_matches("app notin (vllm)", labels)
     assert not label_selector_matches("missing", labels)
+
+
+def test_the_pool_less_selector_flags_are_checked() -> None:
+    from epp.discovery import DiscoveryConfigError
+    from epp.discovery.pool import selector_pool
+
+    pool = selector_pool("app=vllm, tier=gpu", "8000,8001")
+    assert pool == PoolSpec(selector=(("app", "vllm"), ("tier", "gpu")), target_ports=(8000, 8001))
+    for selector, ports, said in (
+        ("app", "8000", "expected key=value"),
+        ("app=vllm", None, "needs --endpoint-target-ports"),
+        ("app=vllm", "8000,x", "expected port numbers"),
+        ("app=vllm", ",".join(str(8000 + i) for i in range(9)), "1 to 8 distinct ports"),
+        ("app=vllm", "0", "1..65535"),
+    ):
+        with pytest.raises(DiscoveryConfigError, match=said):
+            selector_pool(selector, ports)
+
+
+async def test_pool_less_mode_serves_the_selected_pods_on_every_port(
+    kube: FakeKubeApiServer, start_discovery: Factory
+) -> None:
+    # No InferencePool at all: the selector and ports come from the command line.
+    from epp.discovery.pool import selector_pool
+
+    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    kube.put_pod("other", labels={"app": "web"}, ip="10.0.0.9")
+    ds, _ = await start_discovery(
+        PoolRef("(endpoint-selector)"), fixed_pool=selector_pool("app=vllm", "8000,8001")
+    )
+    await eventually(lambda: addresses(ds) == ["10.0.0.1:8000", "10.0.0.1:8001"])
+    assert sorted(e.name for e in ds.endpoints()) == ["a-rank-0", "a-rank-1"]
+    assert ds.synced
+    kube.put_pod("b", labels=VLLM, ip="10.0.0.2")
+    await eventually(lambda: len(addresses(ds)) == 4, what="a new pod")
