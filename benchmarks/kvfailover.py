@@ -33,11 +33,10 @@ from typing import Any, cast
 import valkey
 
 from benchmarks.reports import command_line, write_json
-from indexer.hashing import block_hashes
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
-from launcher.configs import equal_weights_config
+from launcher.configs import shared_store_config
 from launcher.kv_store import KVStoreServer
-from launcher.observe import cache_on_pod, owned_streams, true_block_keys, wait_for
+from launcher.observe import blocks_in_store, cache_on_pod, owned_streams, true_block_keys, wait_for
 from launcher.stack import MODEL, Stack
 
 NAMESPACE = "failover"
@@ -74,24 +73,12 @@ class _Traffic:
 
 
 def _held(client: valkey.Valkey, address: str, ids: list[int]) -> bool:
-    fields = [k.to_bytes(8, "big") for k in block_hashes(ids, block_size=16, algo="sha256")]
-    values = cast(list[bytes | None], client.hmget(f"{NAMESPACE}:e:{address}", fields))
-    return all(v is not None for v in values)
+    return all(blocks_in_store(client, NAMESPACE, address, ids))
 
 
 def run_once(work: Path, tok_dir: Path, lease: float) -> dict[str, Any]:
     with KVStoreServer(work) as server:
-        config = equal_weights_config(
-            tok_dir,
-            blockSize=16,
-            kvBlockIndexConfig={
-                "redisConfig": {
-                    "address": server.address,
-                    "namespace": NAMESPACE,
-                    "leaseSeconds": lease,
-                }
-            },
-        )
+        config = shared_store_config(tok_dir, server.address, NAMESPACE, lease)
         client = valkey.Valkey.from_url(server.address)
         with Stack.start(work, tok_dir, pods=PODS, replicas=REPLICAS, config=config) as stack:
             pods = [pod.address for pod in stack.pods]

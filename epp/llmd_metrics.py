@@ -138,11 +138,12 @@ class LlmdMetrics:
             registry=r,
         )
 
-    def models(self, request: LLMRequest) -> tuple[str, str]:
-        """(model_name, target_model_name), capped."""
-        return self.bound_model(request.client_model), self.bound_model(request.model)
-
     def labels(self, request: LLMRequest) -> tuple[str, str, str, str]:
-        """(model_name, target_model_name, fairness_id, priority), capped."""
-        client, model = self.models(request)
-        return client, model, self.bound_fairness(fairness_id(request)), str(request.priority)
+        """(model_name, target_model_name, fairness_id, priority), capped; the first two are
+        the labels of the Inference Extension's family too."""
+        return (
+            self.bound_model(request.client_model),
+            self.bound_model(request.model),
+            self.bound_fairness(fairness_id(request)),
+            str(request.priority),
+        )

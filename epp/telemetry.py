@@ -184,24 +184,24 @@ class Telemetry:
     # Model names and fairness ids come from clients: both families use the capped values.
 
     def request_routed(self, request: LLMRequest) -> None:
-        client, model = self.llmd.models(request)
+        labels = self.llmd.labels(request)
+        client, model = labels[:2]
         self.requests.labels(client, model).inc()
         self.running_requests.labels(model).inc()
-        labels = self.llmd.labels(request)
         self.llmd.requests.labels(*labels).inc()
         self.llmd.running.labels(*labels).inc()
 
     def first_byte(self, request: LLMRequest, seconds: float) -> None:
-        client, model = self.llmd.models(request)
-        self.request_ttft.labels(client, model).observe(seconds)
+        labels = self.llmd.labels(request)
+        self.request_ttft.labels(*labels[:2]).observe(seconds)
         streaming = "true" if request.stream else "false"
-        self.llmd.ttft.labels(*self.llmd.labels(request), streaming).observe(seconds)
+        self.llmd.ttft.labels(*labels, streaming).observe(seconds)
 
     def request_finished(
         self, request: LLMRequest, seconds: float | None, status: int, usage: Usage | None
     ) -> None:
-        client, model = self.llmd.models(request)
         labels = self.llmd.labels(request)
+        client, model = labels[:2]
         self.running_requests.labels(model).dec()
         self.llmd.running.labels(*labels).dec()
         if seconds is not None:
@@ -223,9 +223,9 @@ class Telemetry:
         if request is None:
             self.request_errors.labels("", "", str(status)).inc()
             return
-        client, model = self.llmd.models(request)
-        self.request_errors.labels(client, model, str(status)).inc()
-        self.llmd.errors.labels(*self.llmd.labels(request), str(status)).inc()
+        labels = self.llmd.labels(request)
+        self.request_errors.labels(*labels[:2], str(status)).inc()
+        self.llmd.errors.labels(*labels, str(status)).inc()
 
     def scheduled(self, seconds: float) -> None:
         self.scheduler_e2e.observe(seconds)

@@ -37,3 +37,15 @@ def equal_weights_config(tokenizer_dir: Path, **prefix_parameters: Any) -> str:
         {"precise-prefix-cache-scorer": 1, "queue-scorer": 1, "kv-cache-utilization-scorer": 1},
         {"precise-prefix-cache-scorer": {"tokenizer": str(tokenizer_dir), **prefix_parameters}},
     )
+
+
+def shared_store_config(tokenizer_dir: Path, address: str, namespace: str, lease_s: float) -> str:
+    """`equal_weights_config` with the index in the Redis/Valkey server at ``address`` (16-token
+    blocks, as the simulated pods), replicas sharing its streams by ``lease_s`` leases."""
+    return equal_weights_config(
+        tokenizer_dir,
+        blockSize=16,
+        kvBlockIndexConfig={
+            "redisConfig": {"address": address, "namespace": namespace, "leaseSeconds": lease_s}
+        },
+    )

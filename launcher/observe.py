@@ -20,6 +20,7 @@ from indexer.events import (
     block_key,
     decode_batch,
 )
+from indexer.hashing import block_hashes
 from indexer.index import KVBlockIndex
 from launcher.stack import Pod
 
@@ -63,6 +64,14 @@ def cache_on_pod(address: str, model: str, ids: list[int], timeout: float = 30.0
     with urllib.request.urlopen(request, timeout=timeout) as response:
         if response.status != 200:
             raise RuntimeError(f"{address} answered {response.status} to a completion")
+
+
+def blocks_in_store(client: Any, namespace: str, address: str, ids: list[int]) -> list[bool]:
+    """Whether each full block of ``ids`` (a simulated pod's hashing: 16 tokens, ``sha256``)
+    is in the shared store's hash for ``address``."""
+    keys = block_hashes(ids, block_size=16, algo="sha256")
+    values = client.hmget(f"{namespace}:e:{address}", [k.to_bytes(8, "big") for k in keys])
+    return [v is not None for v in values]
 
 
 def true_block_keys(pod: Pod, timeout: float = 5.0) -> set[int]:

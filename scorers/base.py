@@ -219,6 +219,13 @@ class SchedulingResult:
     def targets(self) -> tuple[Endpoint, ...]:
         return self.profiles[self.primary_profile].targets
 
+    def chosen_addresses(self) -> list[str]:
+        """The first target of each profile that ran, once each: the pods that will compute
+        the request's prompt (a P/D request's prefill and decode pods)."""
+        return list(
+            dict.fromkeys(p.targets[0].address for p in self.profiles.values() if p.targets)
+        )
+
 
 @dataclass(slots=True, frozen=True)
 class Usage:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from indexer.errors import IndexerError, TokenizationError
@@ -49,8 +49,6 @@ from scorers.request_data import (
 logger = logging.getLogger(__name__)
 
 
-# request.data key private to this plugin: its weighted match per endpoint, read by `score`.
-_SCORES = "precise-prefix.scores"
 # The request's block keys (scorers.request_data.PREFIX_BLOCK_KEYS): this plugin writes them in
 # prepare and reads them in PreRequest for predicted entries.
 _KEYS = PREFIX_BLOCK_KEYS
@@ -100,17 +98,14 @@ class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's setting
         request.data[PREFIX_TOTAL_BLOCKS] = len(keys)
         request.data[_KEYS] = keys
         if view.index is None or not keys:
-            request.data[_SCORES] = {}
             return
         found = await view.lookup(keys, [ep.address for ep in endpoints], executor)
         block_size = view.block_size or 0
         request.data[_INDEXED_BLOCKS] = found.indexed
         request.data[PREFIX_COMPUTED_TOKENS] = max(found.indexed.values(), default=0) * block_size
         request.data[KV_CACHED_TOKENS] = {a: n * block_size for a, n in found.held_blocks.items()}
-        total = len(keys)
-        request.data[_SCORES] = {a: found.weighted[a] / total for a, n in found.blocks.items() if n}
         request.data[prefix_match_info_key(self.name)] = PrefixMatchInfo(
-            found.blocks, found.weighted, total, block_size
+            found.blocks, found.weighted, len(keys), block_size
         )
         record_prefix_matches(request, found.blocks)
         tokens: dict[str, int] = request.data.setdefault(PREFIX_MATCHED_TOKENS, {})
@@ -168,11 +163,8 @@ class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's setting
         keys: list[int] | None = request.data.get(_KEYS)
         if not keys or not self.p.speculativeIndexing:
             return
-        recorded: set[str] = set()
-        for profile in result.profiles.values():
-            if profile.targets and (address := profile.targets[0].address) not in recorded:
-                recorded.add(address)
-                self.view.predict(address, keys)
+        for address in result.chosen_addresses():
+            self.view.predict(address, keys)
 
     def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
         """Evidence for the view's silent-publisher check: a completed request that made the
@@ -198,5 +190,11 @@ class PrecisePrefixCacheScorer(PrecisePrefixCacheProducer):
     EPP's default profile use."""
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        scores: Mapping[str, float] = request.data.get(_SCORES, {})
-        return {ep.address: scores.get(ep.address, 0.0) for ep in endpoints}
+        """Tier-weighted leading blocks held over the request's blocks, in [0, 1]."""
+        info: PrefixMatchInfo | None = request.data.get(prefix_match_info_key(self.name))
+        if info is None or not info.total_blocks:
+            return {ep.address: 0.0 for ep in endpoints}
+        return {
+            ep.address: info.weighted_blocks.get(ep.address, 0.0) / info.total_blocks
+            for ep in endpoints
+        }

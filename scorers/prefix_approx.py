@@ -189,6 +189,12 @@ class PrefixBlockIndex:
         else:
             self._holders.pop(block, None)
 
+    def record(self, hashes: Sequence[int], result: SchedulingResult) -> None:
+        """A routed request's blocks, on the pods chosen to compute its prompt."""
+        if hashes:
+            for address in result.chosen_addresses():
+                self.add(address, hashes)
+
     def remove_endpoint(self, address: str) -> None:
         blocks = self._blocks.pop(address, None)
         bit = self._bit_of.pop(address, None)
@@ -354,14 +360,7 @@ class PrefixCacheScorer(Plugin[PrefixCacheParameters]):
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         if self._producer_key is not None:
             return  # the producer's pods publish what they cache
-        state = self._state(request)
-        if not state.hashes:
-            return
-        recorded: set[str] = set()
-        for profile in result.profiles.values():
-            if profile.targets and (address := profile.targets[0].address) not in recorded:
-                recorded.add(address)
-                self.index.add(address, state.hashes)
+        self.index.record(self._state(request).hashes, result)
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
         pass
@@ -452,13 +451,8 @@ class ApproxPrefixCacheProducer(Plugin[ApproxPrefixProducerParameters]):
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         state: _RequestState | None = request.data.get(self._state_key)
-        if state is None or not state.hashes:
-            return
-        recorded: set[str] = set()
-        for profile in result.profiles.values():
-            if profile.targets and (address := profile.targets[0].address) not in recorded:
-                recorded.add(address)
-                self.index.add(address, state.hashes)
+        if state is not None:
+            self.index.record(state.hashes, result)
 
     def endpoint_added(self, endpoint: Endpoint) -> None:
         pass

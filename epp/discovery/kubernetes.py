@@ -330,9 +330,29 @@ class KubernetesDiscovery:
 
     def _run_pool(self) -> None:
         ref = self.pool_ref
-        selector = f"metadata.name={ref.name}"
-        api = (ref.group, ref.api_version, ref.namespace, POOL_PLURAL)
+        self._watch_collection(
+            "pool",
+            (ref.group, ref.api_version, ref.namespace, POOL_PLURAL),
+            f"metadata.name={ref.name}",
+            lambda objects: self._set_pool(next(iter(objects.values()), None)),
+            lambda exc, backoff: self._failed(str(ref), exc, backoff, None),
+        )
+
+    def _watch_collection(
+        self,
+        name: str,
+        api: tuple[str, str, str, str],
+        field_selector: str | None,
+        on_change: Callable[[dict[str, dict[str, Any]]], None],
+        on_failure: Callable[[Exception, _Backoff], None],
+    ) -> None:
+        """List and watch one custom-object collection (``api``: group, version, namespace,
+        plural) until stopping; after the list and after every change, ``on_change`` gets the
+        whole set by name.  A failed list or watch goes to ``on_failure`` (which waits), then
+        the collection is listed again."""
+        selected = {"field_selector": field_selector} if field_selector else {}
         backoff = _Backoff(self.backoff_initial, self.backoff_max)
+        objects: dict[str, dict[str, Any]] = {}
         rv: str | None = None
         while not self._stopping:
             try:
@@ -340,27 +360,29 @@ class KubernetesDiscovery:
                     data = self._read_json(
                         self._custom.list_namespaced_custom_object(
                             *api,
-                            field_selector=selector,
+                            **selected,
                             _preload_content=False,
                             _request_timeout=self.request_timeout,
                         )
                     )
-                    items = data.get("items") or []
-                    self._set_pool(items[0] if items else None)
+                    objects = {_object_name(o): o for o in data.get("items") or []}
+                    on_change(objects)
                     rv = str((data.get("metadata") or {}).get("resourceVersion") or "")
                 started = time.monotonic()
                 resp = self._custom.list_namespaced_custom_object(
-                    *api, field_selector=selector, **self._watch_kwargs(rv)
+                    *api, **selected, **self._watch_kwargs(rv)
                 )
-                for event in self._watch_lines("pool", resp, None):
+                for event in self._watch_lines(name, resp, None):
                     backoff.reset()  # the server is healthy again
                     obj = event.get("object") or {}
                     rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-                    kind = event.get("type")
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._set_pool(obj)
-                    elif kind == "DELETED":
-                        self._set_pool(None)
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        objects[_object_name(obj)] = obj
+                    elif event.get("type") == "DELETED":
+                        objects.pop(_object_name(obj), None)
+                    else:
+                        continue  # a bookmark
+                    on_change(objects)
                 self._after_stream(started, backoff)
             except _Superseded:
                 return
@@ -368,7 +390,7 @@ class KubernetesDiscovery:
                 if self._stopping:
                     return
                 rv = None
-                self._failed(str(ref), exc, backoff, None)
+                on_failure(exc, backoff)
 
     def _failed(self, what: str, exc: Exception, backoff: _Backoff, generation: int | None) -> None:
         """Log and count a failed list or watch, then wait before the relist.  The first 410
@@ -428,67 +450,43 @@ class KubernetesDiscovery:
 
     def _run_rules(self, plural: str, apply: Callable[[list[dict[str, Any]]], None]) -> None:
         """List and watch one llm-d.ai collection in the pool's namespace; every change hands
-        the whole set to ``apply`` on the loop.  A 404 means the CRD is not installed: said once,
-        looked for again every minute."""
-        api = (RULES_GROUP, RULES_VERSION, self.pool_ref.namespace, plural)
-        backoff = _Backoff(self.backoff_initial, self.backoff_max)
-        objects: dict[str, dict[str, Any]] = {}
-        rv: str | None = None
+        the whole set to ``apply`` on the loop.  A 404 (the CRD is not installed) or a 403 (the
+        Role does not grant it) means none apply: said once, looked for again every
+        ``rules_retry_s``."""
         missing_said = False
-        while not self._stopping:
-            try:
-                if rv is None:
-                    data = self._read_json(
-                        self._custom.list_namespaced_custom_object(
-                            *api, _preload_content=False, _request_timeout=self.request_timeout
-                        )
-                    )
-                    objects = {_object_name(o): o for o in data.get("items") or []}
-                    self._post_rules(apply, objects)
-                    rv = str((data.get("metadata") or {}).get("resourceVersion") or "")
-                started = time.monotonic()
-                resp = self._custom.list_namespaced_custom_object(*api, **self._watch_kwargs(rv))
-                for event in self._watch_lines(plural, resp, None):
-                    backoff.reset()
-                    obj = event.get("object") or {}
-                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-                    if event.get("type") in ("ADDED", "MODIFIED"):
-                        objects[_object_name(obj)] = obj
-                    elif event.get("type") == "DELETED":
-                        objects.pop(_object_name(obj), None)
-                    else:
-                        continue
-                    self._post_rules(apply, objects)
-                self._after_stream(started, backoff)
-            except _Superseded:
-                return
-            except Exception as exc:
-                if self._stopping:
-                    return
-                rv = None
-                status = _status_code(exc)
-                if status in (403, 404):
-                    objects = {}
-                    self._post_rules(apply, objects)  # what cannot be read does not apply
-                    if not missing_said:
-                        missing_said = True
-                        why = (
-                            "is not installed"
-                            if status == 404
-                            else "may not be read (add get/list/watch on it to the EPP's Role)"
-                        )
-                        log.info(
-                            "%s.%s/%s %s in %s: none apply (looked for again every %g s)",
-                            plural,
-                            RULES_GROUP,
-                            RULES_VERSION,
-                            why,
-                            self.pool_ref.namespace,
-                            self.rules_retry_s,
-                        )
-                    self._sleep(self.rules_retry_s)
-                    continue
+
+        def failed(exc: Exception, backoff: _Backoff) -> None:
+            nonlocal missing_said
+            status = _status_code(exc)
+            if status not in (403, 404):
                 self._failed(f"{plural} in {self.pool_ref.namespace}", exc, backoff, None)
+                return
+            self._post_rules(apply, {})  # what cannot be read does not apply
+            if not missing_said:
+                missing_said = True
+                why = (
+                    "is not installed"
+                    if status == 404
+                    else "may not be read (add get/list/watch on it to the EPP's Role)"
+                )
+                log.info(
+                    "%s.%s/%s %s in %s: none apply (looked for again every %g s)",
+                    plural,
+                    RULES_GROUP,
+                    RULES_VERSION,
+                    why,
+                    self.pool_ref.namespace,
+                    self.rules_retry_s,
+                )
+            self._sleep(self.rules_retry_s)
+
+        self._watch_collection(
+            plural,
+            (RULES_GROUP, RULES_VERSION, self.pool_ref.namespace, plural),
+            None,
+            lambda objects: self._post_rules(apply, objects),
+            failed,
+        )
 
     def _post_rules(
         self, apply: Callable[[list[dict[str, Any]]], None], objects: Mapping[str, Any]

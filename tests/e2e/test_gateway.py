@@ -122,39 +122,43 @@ async def _until(predicate: object, timeout: float = 10.0) -> None:
 # tests
 
 
+async def assert_follow_up_finds_its_prefix(stack: Fleet, system_seed: int, label: str) -> None:
+    """A conversation's first turn goes anywhere; once the EPP has indexed it and scraped the
+    pods since, its follow-up must go to the same pod and hit the engine's cache."""
+    system = {"role": "system", "content": words(system_seed, 400)}
+    first = [system, {"role": "user", "content": "first question " + words(99, 10)}]
+    entries_before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+    holder, _ = await _which_pod(stack, first)
+    answered = time.monotonic()
+
+    async def indexed(floor: float = entries_before + 20) -> bool:
+        # ~400 words of prompt make more than 20 blocks of 16 tokens.
+        entries = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+        return entries >= floor
+
+    async def scraped(since: float = answered) -> bool:
+        # Under a loaded machine a scrape can lag: the holder's metrics would still show the
+        # first request running, and the equally weighted queue scorer would send the
+        # follow-up away (seen once in a full `make test`).
+        return await _scraped_since(stack.epp_metrics, stack.pods, since)
+
+    await _until(indexed)
+    await _until(scraped)
+    follow_up = [
+        *first,
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "second question " + words(98, 10)},
+    ]
+    served, reply = await _which_pod(stack, follow_up)
+    assert served == holder, f"{label}: prefix on {holder}, routed to {served}"
+    usage = reply["usage"]
+    assert isinstance(usage, dict)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 400  # the engine saw the hit
+
+
 async def test_a_request_whose_prefix_one_pod_holds_is_routed_there(stack: Fleet) -> None:
     for conversation in range(4):
-        system = {"role": "system", "content": words(conversation, 400)}
-        first = [system, {"role": "user", "content": "first question " + words(99, 10)}]
-        entries_before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
-        holder, _ = await _which_pod(stack, first)
-        answered = time.monotonic()
-
-        async def indexed(floor: float = entries_before + 20) -> bool:
-            # ~400 words of prompt make more than 20 blocks of 16 tokens.
-            entries = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
-            return entries >= floor
-
-        async def scraped(since: float = answered) -> bool:
-            # Under a loaded machine a scrape can lag: the holder's metrics would still show the
-            # first request running, and the equally weighted queue scorer would send the
-            # follow-up away (seen once in a full `make test`).
-            return await _scraped_since(stack.epp_metrics, stack.pods, since)
-
-        await _until(indexed)
-        await _until(scraped)
-        follow_up = [
-            *first,
-            {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "second question " + words(98, 10)},
-        ]
-        served, reply = await _which_pod(stack, follow_up)
-        assert served == holder, (
-            f"conversation {conversation}: prefix on {holder}, routed to {served}"
-        )
-        usage = reply["usage"]
-        assert isinstance(usage, dict)
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= 400  # the engine saw the hit
+        await assert_follow_up_finds_its_prefix(stack, conversation, f"conversation {conversation}")
 
 
 async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Fleet) -> None:

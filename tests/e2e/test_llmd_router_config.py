@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.stack import Stack
-from launcher.traffic import words
-from tests.e2e.test_gateway import Fleet, _epp_gauge, _scraped_since, _until, _which_pod
+from tests.e2e.test_gateway import Fleet, assert_follow_up_finds_its_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -83,33 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path) 
 
 
 async def test_the_split_precise_pipeline_routes_a_follow_up_to_its_prefix(stack: Fleet) -> None:
-    import time
-
     for conversation in range(3):
-        system = {"role": "system", "content": words(100 + conversation, 400)}
-        first = [system, {"role": "user", "content": "first question " + words(7, 10)}]
-        before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
-        holder, _ = await _which_pod(stack, first)
-        answered = time.monotonic()
-
-        async def indexed(floor: float = before + 20) -> bool:
-            entries = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
-            return entries >= floor
-
-        async def scraped(since: float = answered) -> bool:
-            return await _scraped_since(stack.epp_metrics, stack.pods, since)
-
-        await _until(indexed)
-        await _until(scraped)
-        follow_up = [
-            *first,
-            {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "second question " + words(8, 10)},
-        ]
-        served, reply = await _which_pod(stack, follow_up)
-        assert served == holder, (
-            f"conversation {conversation}: prefix on {holder}, sent to {served}"
+        await assert_follow_up_finds_its_prefix(
+            stack, 100 + conversation, f"conversation {conversation}"
         )
-        usage = reply["usage"]
-        assert isinstance(usage, dict)
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= 400

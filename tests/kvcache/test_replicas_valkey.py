@@ -12,10 +12,9 @@ from pathlib import Path
 
 import valkey
 
-from indexer.hashing import block_hashes
-from launcher.configs import equal_weights_config
+from launcher.configs import shared_store_config
 from launcher.kv_store import KVStoreServer
-from launcher.observe import cache_on_pod, owned_streams
+from launcher.observe import blocks_in_store, cache_on_pod, owned_streams
 from launcher.stack import MODEL, Stack
 
 LEASE_S = 1.0
@@ -31,10 +30,7 @@ def _cache(pod_address: str, ids: list[int]) -> None:
 
 
 def _held(client: valkey.Valkey, pod_address: str, ids: list[int]) -> bool:
-    keys = block_hashes(ids, block_size=16, algo="sha256")
-    fields = [k.to_bytes(8, "big") for k in keys]
-    values = client.hmget(f"{NAMESPACE}:e:{pod_address}", fields)  # type: ignore[arg-type]
-    return all(v is not None for v in values)
+    return all(blocks_in_store(client, NAMESPACE, pod_address, ids))
 
 
 def _restart(pod_address: str) -> None:
@@ -62,17 +58,7 @@ def test_replicas_share_the_pods_and_survive_a_killed_owner(
     tmp_path: Path, llama3_tokenizer_dir: Path
 ) -> None:
     with KVStoreServer(tmp_path) as server:
-        config = equal_weights_config(
-            llama3_tokenizer_dir,
-            blockSize=16,
-            kvBlockIndexConfig={
-                "redisConfig": {
-                    "address": server.address,
-                    "namespace": NAMESPACE,
-                    "leaseSeconds": LEASE_S,
-                }
-            },
-        )
+        config = shared_store_config(llama3_tokenizer_dir, server.address, NAMESPACE, LEASE_S)
         client = valkey.Valkey.from_url(server.address)
         with Stack.start(
             tmp_path, llama3_tokenizer_dir, pods=4, replicas=3, config=config
@@ -102,11 +88,7 @@ def test_replicas_share_the_pods_and_survive_a_killed_owner(
             _cache(restarted, again)
             _wait(lambda: _held(client, restarted, again), "a prompt cached after the restart")
             # Cleared: none of the pod's earlier blocks is left, only what it cached since.
-            old_fields = [
-                k.to_bytes(8, "big") for k in block_hashes(first[0], block_size=16, algo="sha256")
-            ]
-            left = client.hmget(f"{NAMESPACE}:e:{restarted}", old_fields)  # type: ignore[arg-type]
-            assert all(v is None for v in left)  # type: ignore[union-attr]
+            assert not any(blocks_in_store(client, NAMESPACE, restarted, first[0]))
             assert all(
                 _held(client, pod.address, first[i]) for i, pod in enumerate(stack.pods) if i
             )
