@@ -54,6 +54,7 @@ from epp.config_sections import (
     feature_gates,
     parser_types,
     producer_problems,
+    with_decider_producer,
     with_prefix_producer,
     with_token_producer,
 )
@@ -388,7 +389,9 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
 
-    specs_in = with_prefix_producer(with_token_producer(config.plugins, source))
+    specs_in = with_prefix_producer(
+        with_decider_producer(with_token_producer(config.plugins, source))
+    )
     for index, spec in enumerate(specs_in):
         where = f"plugins[{index}]"
         if spec.name in first_index:
@@ -579,6 +582,17 @@ def build_scheduler(
             raise ConfigError(
                 source, [f"plugins[{index}] ({spec.type} {spec.name!r}): failed to start: {exc!r}"]
             ) from exc
+    if problems:
+        raise ConfigError(source, problems)
+    for index, spec in enumerate(config.plugins):
+        # Plugins that name others in their parameters (a profile handler's deciders) find
+        # them once every plugin exists, as llm-d-router's plugin handle does.
+        bind = getattr(instances[spec.name], "bind", None)
+        if callable(bind):
+            try:
+                bind(instances)
+            except PluginConfigError as exc:
+                problems.append(f"plugins[{index}]: {exc}")
     if problems:
         raise ConfigError(source, problems)
 

@@ -202,6 +202,22 @@ def with_prefix_producer(plugins: Sequence[Any]) -> list[Any]:
     return out
 
 
+def with_decider_producer(plugins: Sequence[Any]) -> list[Any]:
+    """``plugins`` with an ``approx-prefix-cache-producer`` added when a
+    ``prefix-based-pd-decider`` is declared and no prefix producer is: the decider needs to
+    know what the decode pod holds, and llm-d-router creates that producer for it too."""
+    types = {spec.type for spec in plugins}
+    names = {spec.name for spec in plugins}
+    default = "approx-prefix-cache-producer"
+    if "prefix-based-pd-decider" not in types or types & set(PREFIX_PRODUCER_TYPES):
+        return list(plugins)
+    name, suffix = default, 2
+    while name in names:  # the decider reads any producer's match, whatever its name
+        name, suffix = f"{default}-{suffix}", suffix + 1
+    spec_type = type(plugins[0])
+    return [*plugins, spec_type(name=name, type=default)]
+
+
 def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:
     """``plugins`` with a ``token-producer``'s ``modelName`` as the ``tokenizer`` of each
     precise prefix plugin that names none (llm-d-router's producers take their tokens from the

@@ -39,6 +39,9 @@ class TrackedDecision(RoutingDecision):
     """A routing decision plus the state its response path needs."""
 
     in_flight: InFlightRequest | None = None
+    # The other pods computing the request (a P/D request's prefill pod): their work ends
+    # when the decode pod's first byte arrives.
+    helpers: tuple[InFlightRequest, ...] = ()
     decided_at: float = 0.0
     status: int = 0
     first_byte_seen: bool = False
@@ -117,6 +120,7 @@ class Director:
         if not targets:
             raise NoReadyEndpointsError("the picker chose no endpoint")
         primary = targets[0]
+        helpers = tuple(a for a in result.chosen_addresses() if a != primary)
         self._observe_hit_ratio(request, primary)
         if logger.isEnabledFor(logging.DEBUG):
             # One line per decision at --log-level debug: enough to replay a burst's order,
@@ -131,7 +135,7 @@ class Director:
                 len(candidates),
                 1000 * (time.perf_counter() - started),
             )
-        return self._track(request, targets, len(candidates))
+        return self._track(request, targets, len(candidates), helpers, result.destinations)
 
     def _apply_rules(self, request: LLMRequest, rules: RequestRules) -> None:
         """The request's objective priority, and the model an InferenceModelRewrite sends it
@@ -165,19 +169,28 @@ class Director:
         return self._track(request, (chosen.address,), len(candidates))
 
     def _track(
-        self, request: LLMRequest, targets: tuple[str, ...], candidates: int
+        self,
+        request: LLMRequest,
+        targets: tuple[str, ...],
+        candidates: int,
+        helpers: tuple[str, ...] = (),
+        destinations: tuple[str, ...] | None = None,
     ) -> TrackedDecision:
         primary = targets[0]
-        in_flight = self.datastore.request_started(
-            primary, uncached_prompt_tokens(request, primary)
-        )
+        started = self.datastore.request_started
+        # A pod that prefills for another computes the prompt; the decode pod then only
+        # pulls the KV (its prefill work is the last token).
+        in_flight = started(primary, 0 if helpers else uncached_prompt_tokens(request, primary))
+        helping = tuple(started(a, uncached_prompt_tokens(request, a)) for a in helpers)
         request.data[RESPONSE_TIMING] = ResponseTiming(routed_at=self.datastore.clock())
         if self.telemetry is not None:
             self.telemetry.request_routed(request)
         return TrackedDecision(
             request=request,
             targets=targets,
+            destinations=destinations,
             in_flight=in_flight,
+            helpers=helping,
             decided_at=time.perf_counter(),
             candidates=candidates,
         )
@@ -207,6 +220,8 @@ class Director:
                 timing.in_flight_areas_at_first_byte = decision.in_flight.in_flight_area()
         if decision.in_flight is not None:
             decision.in_flight.first_token()
+        for helper in decision.helpers:
+            helper.finish()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request %s: first byte from %s %.1f ms after the decision",
@@ -223,6 +238,8 @@ class Director:
         if isinstance(decision, TrackedDecision) and decision.in_flight is not None:
             self._close_timing(decision.request, decision.in_flight)
             decision.in_flight.finish()
+            for helper in decision.helpers:
+                helper.finish()
             self.admission.release()
         request = decision.request
         if self.telemetry is not None:

@@ -120,11 +120,15 @@ class RoutingDecision:
 
     request: LLMRequest
     targets: tuple[str, ...]
+    # What Envoy is sent to when it is not the targets themselves (a data-parallel rank's
+    # request goes to its pod's primary port; the targets stay the ranks).
+    destinations: tuple[str, ...] | None = None
 
     @property
     def destination(self) -> str:
-        """The ``x-gateway-destination-endpoint`` value: the targets joined by commas."""
-        return ",".join(self.targets)
+        """The ``x-gateway-destination-endpoint`` value: the destinations (by default the
+        targets) joined by commas."""
+        return ",".join(self.destinations or self.targets)
 
 
 class Router(Protocol):
@@ -584,8 +588,16 @@ class ExtProcStream:
             set_headers.append(_set_header("content-length", str(content_length)))
         if self._request_id_generated and self.request_id:
             set_headers.append(_set_header(REQUEST_ID_HEADER, self.request_id))
+        remove_headers = []
+        for key, value in decision.request.set_headers.items():
+            if value is None:
+                remove_headers.append(key)
+            else:
+                set_headers.append(_set_header(key, value))
         return ext_proc_pb2.CommonResponse(
-            header_mutation=ext_proc_pb2.HeaderMutation(set_headers=set_headers),
+            header_mutation=ext_proc_pb2.HeaderMutation(
+                set_headers=set_headers, remove_headers=remove_headers
+            ),
             clear_route_cache=True,
         )
 

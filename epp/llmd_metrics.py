@@ -16,6 +16,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scorers.base import LLMRequest
+from scorers.disagg import DISAGG_DECISION, DisaggDecision
 
 FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 DEFAULT_FAIRNESS_ID: Final = "default-flow"
@@ -137,6 +138,31 @@ class LlmdMetrics:
             ["model_rewrite_name", "model_name", "target_model"],
             registry=r,
         )
+
+        self.disagg_decisions = Counter(
+            "llm_d_epp_disagg_decision",
+            "Disaggregation decisions of the disagg-profile-handler, by the stages that ran on "
+            "pods of their own.",
+            ["plugin_name", "plugin_type", "model_name", "decision_type"],
+            registry=r,
+        )
+        # llm-d-router's deprecated subsystem still carries the same counter (two labels).
+        self.disagg_decisions_deprecated = Counter(
+            "llm_d_inference_scheduler_disagg_decision",
+            "Disaggregation decisions (deprecated name of llm_d_epp_disagg_decision_total).",
+            ["model_name", "decision_type"],
+            registry=r,
+        )
+
+    def disagg_decided(self, request: LLMRequest) -> None:
+        decision = request.data.get(DISAGG_DECISION)
+        if not isinstance(decision, DisaggDecision):
+            return
+        model = self.bound_model(request.model) or "unknown"
+        self.disagg_decisions.labels(
+            decision.plugin_name, decision.plugin_type, model, decision.decision
+        ).inc()
+        self.disagg_decisions_deprecated.labels(model, decision.decision).inc()
 
     def labels(self, request: LLMRequest) -> tuple[str, str, str, str]:
         """(model_name, target_model_name, fairness_id, priority), capped; the first two are

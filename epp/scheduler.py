@@ -280,7 +280,11 @@ class Scheduler:
             )
         handler = self.profile_handler
         hook = self.on_plugin_duration
-        results: dict[str, ProfileResult] = {}
+        # None: the profile's filters left no endpoint.  The handler decides what that means
+        # (a P/D request's prefill stage falls back to its decode pod); when no profile found
+        # one, the first such error is the answer.
+        results: dict[str, ProfileResult | None] = {}
+        drained: AllEndpointsFilteredError | None = None
         while True:
             start = perf_counter()
             chosen = handler.pick_profiles(request, self.profile_names, results)
@@ -299,7 +303,13 @@ class Scheduler:
                         f"profile handler {handler.name!r} chose scheduling profile {name!r} "
                         "a second time"
                     )
-                results[name] = profile.run(request, candidates, hook)
+                try:
+                    results[name] = profile.run(request, candidates, hook)
+                except AllEndpointsFilteredError as exc:
+                    results[name] = None
+                    drained = drained or exc
+        if drained is not None and not any(results.values()):
+            raise drained
         start = perf_counter()
         result = handler.process_results(request, results)
         self._record(PROCESS_PROFILES_RESULTS, handler, perf_counter() - start)

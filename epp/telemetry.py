@@ -190,6 +190,7 @@ class Telemetry:
         self.running_requests.labels(model).inc()
         self.llmd.requests.labels(*labels).inc()
         self.llmd.running.labels(*labels).inc()
+        self.llmd.disagg_decided(request)
 
     def first_byte(self, request: LLMRequest, seconds: float) -> None:
         labels = self.llmd.labels(request)

@@ -6,6 +6,7 @@ One module per plugin family; a new plugin is a new module here plus one import 
 from scorers import (
     affinity,
     data_layer,
+    disagg,
     dynamo_cost,
     filters,
     load,
@@ -21,6 +22,7 @@ from scorers import (
 __all__ = [
     "affinity",
     "data_layer",
+    "disagg",
     "dynamo_cost",
     "filters",
     "load",

@@ -169,6 +169,9 @@ class LLMRequest:
     prompt_token_ids: list[int] | None = None
     # Per-request data shared between plugins (the Inference Extension's CycleState).
     data: dict[str, Any] = field(default_factory=dict)
+    # Headers the EPP sets on the forwarded request (a profile handler's or PreRequest plugin's:
+    # the P/D sidecar's prefiller); None removes a header the client sent.
+    set_headers: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def client_model(self) -> str:
@@ -214,6 +217,9 @@ class ProfileResult:
 class SchedulingResult:
     primary_profile: str
     profiles: Mapping[str, ProfileResult]
+    # What Envoy is told when it differs from the primary targets' addresses: the
+    # data-parallel handler sends a rank's request to its pod's primary port.
+    destinations: tuple[str, ...] | None = None
 
     @property
     def targets(self) -> tuple[Endpoint, ...]:
@@ -350,13 +356,14 @@ class ProfileHandler(Protocol):
         self,
         request: LLMRequest,
         profiles: Sequence[str],
-        results: Mapping[str, ProfileResult],
+        results: Mapping[str, ProfileResult | None],
     ) -> list[str]:
-        """Profiles to run next (empty when done), given the results so far."""
+        """Profiles to run next (empty when done), given the results so far (None: the
+        profile's filters left no endpoint)."""
         ...
 
     def process_results(
-        self, request: LLMRequest, results: Mapping[str, ProfileResult]
+        self, request: LLMRequest, results: Mapping[str, ProfileResult | None]
     ) -> SchedulingResult: ...
 
 

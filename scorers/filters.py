@@ -40,6 +40,18 @@ class PrefillFilter(Plugin[NoParameters]):
         return [e for e in endpoints if e.labels.get(ROLE_LABEL) in PREFILL_ROLES]
 
 
+ENCODE_ROLES = frozenset({"encode", "encode-prefill", "encode-prefill-decode"})
+
+
+@register("encode-filter")
+class EncodeFilter(Plugin[NoParameters]):
+    """Keeps endpoints labelled to encode multimodal inputs: ``llm-d.ai/role`` in {encode,
+    encode-prefill, encode-prefill-decode}.  Unlabelled endpoints are dropped."""
+
+    def filter(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        return [e for e in endpoints if e.labels.get(ROLE_LABEL) in ENCODE_ROLES]
+
+
 class LabelSelectorRequirement(BaseModel):
     """One ``matchExpressions`` entry, as in Kubernetes' ``metav1.LabelSelectorRequirement``."""
 

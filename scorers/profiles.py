@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from scorers.base import (
+    AllEndpointsFilteredError,
     LLMRequest,
     NoParameters,
     Plugin,
@@ -28,7 +29,7 @@ class SingleProfileHandler(Plugin[NoParameters]):
         self,
         request: LLMRequest,
         profiles: Sequence[str],
-        results: Mapping[str, ProfileResult],
+        results: Mapping[str, ProfileResult | None],
     ) -> list[str]:
         if len(profiles) != 1:
             raise PluginConfigError(
@@ -38,7 +39,9 @@ class SingleProfileHandler(Plugin[NoParameters]):
         return [] if results else [profiles[0]]
 
     def process_results(
-        self, request: LLMRequest, results: Mapping[str, ProfileResult]
+        self, request: LLMRequest, results: Mapping[str, ProfileResult | None]
     ) -> SchedulingResult:
-        (name,) = results
-        return SchedulingResult(primary_profile=name, profiles=dict(results))
+        ((name, result),) = results.items()
+        if result is None:
+            raise AllEndpointsFilteredError(f"scheduling profile {name!r} chose no endpoint")
+        return SchedulingResult(primary_profile=name, profiles={name: result})

@@ -75,6 +75,9 @@ class Engine:
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
         self._requests: dict[str, RequestState] = {}
+        # Requests whose prompt KV is being pulled from a prefill pod, oldest first.
+        self._receiving: list[RequestState] = []
+        self._link_free_at = 0.0  # when the pod's KV link finishes the pulls queued on it
         self._inflight: _Step | None = None
         self._free_at = 0.0  # when the engine can start its next step
         self._now = 0.0
@@ -107,8 +110,14 @@ class Engine:
         block_digests: Sequence[bytes] | None = None,
         block_keys: Sequence[int] | None = None,
         num_prompt_tokens: int | None = None,
+        remote_prefill: bool = False,
     ) -> None:
         """Queue a request arriving at ``now``.
+
+        ``remote_prefill`` (vLLM's ``kv_transfer_params.do_remote_prefill``, disaggregated
+        serving's decode side): a prefill pod computed the prompt; once admitted, the request
+        holds blocks for its whole prompt while the part not cached here is pulled over the link
+        (`EngineConfig.kv_transfer_s_per_token`), then computes only its last prompt token.
 
         Give ``token_ids`` (hashed here, as the pod would), optionally with their
         ``block_digests`` already computed with `indexer.hashing` (same config) to skip hashing;
@@ -161,6 +170,7 @@ class Engine:
             lora,
             (zlib.crc32(req_id.encode()) << 32) ^ self._next_uid ^ self.config.output_seed,
         )
+        request.remote_prefill = remote_prefill
         self._next_uid += 1
         if self._inflight is None and not self._running and not self._waiting:
             self._free_at = max(self._free_at, now)
@@ -196,6 +206,9 @@ class Engine:
             return None
         if request.status is RequestStatus.WAITING:
             self._waiting.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._receiving.remove(request)
+            self._pool.free_blocks(request)
         elif request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._pool.free_blocks(request)
@@ -212,6 +225,8 @@ class Engine:
             return self._inflight.end
         if self._running or self._waiting:
             return self._free_at
+        if self._receiving:
+            return max(self._free_at, self._receiving[0].remote_ready_at or 0.0)
         return None
 
     def advance(self, now: float) -> AdvanceResult:
@@ -231,11 +246,13 @@ class Engine:
         while True:
             step = self._inflight
             if step is None:
-                if not (self._running or self._waiting):
+                due = self.next_event_time()
+                if due is None:
                     return
-                if self._free_at > now or (self._free_at == now and not start_due_step):
+                if due > now or (due == now and not start_due_step):
                     return
-                step = self._schedule(self._free_at)
+                self._free_at = due
+                step = self._schedule(due)
                 if step is None:
                     return
                 self._inflight = step
@@ -256,6 +273,8 @@ class Engine:
         running = self._running
         pool = self._pool
         preempted = False
+        if self._receiving:
+            self._promote_received(start)
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -285,6 +304,26 @@ class Engine:
             waiting = self._waiting
             while waiting and budget > 0 and len(running) < config.max_num_seqs:
                 request = waiting[0]
+                if request.remote_prefill:
+                    if request.remote_ready_at is None and not self._start_pull(request, start):
+                        break
+                    if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                        continue
+                    # Its KV arrived: compute the last prompt token, as vLLM does.
+                    new_tokens = request.num_tokens - request.num_computed
+                    needed = _cdiv(request.num_computed + new_tokens, size) - len(request.blocks)
+                    if needed > pool.num_free():
+                        break
+                    waiting.popleft()
+                    if needed > 0:
+                        pool.take_free_blocks(request, needed)
+                    request.remote_prefill = False
+                    request.status = RequestStatus.RUNNING
+                    running.append(request)
+                    request.num_computed += new_tokens
+                    scheduled.append((request, new_tokens))
+                    budget -= new_tokens
+                    continue
                 hit_blocks = pool.longest_cached_prefix(request)
                 cached_tokens = len(hit_blocks) * size
                 new_tokens = min(request.num_tokens - cached_tokens, budget)
@@ -313,6 +352,10 @@ class Engine:
                 budget -= new_tokens
 
         if not scheduled:
+            if self._receiving and not running:
+                # Everything waits on pulls (or on the blocks they hold): idle until one lands.
+                self._free_at = max(start, self._receiving[0].remote_ready_at or start)
+                return None
             if running or self._waiting:
                 raise EngineError(
                     "scheduler made no progress with work queued (a request larger than the "
@@ -320,6 +363,48 @@ class Engine:
                 )
             return None
         return _Step(start, start + self._step_duration(scheduled), scheduled)
+
+    def _start_pull(self, request: RequestState, now: float) -> bool:
+        """Admit a remote-prefill request: blocks for its whole prompt, the local prefix hit
+        touched, the rest pulled over the link (pulls queue on it).  False when the blocks do
+        not fit (head-of-line, like any admission)."""
+        pool = self._pool
+        size = self.config.block_size
+        hit_blocks = pool.longest_cached_prefix(request)
+        cached_tokens = len(hit_blocks) * size
+        needed = _cdiv(request.prompt_len, size) - len(hit_blocks)
+        if needed > pool.num_free_without(hit_blocks):
+            return False
+        self._waiting.popleft()
+        pool.touch(hit_blocks)
+        request.blocks = hit_blocks
+        request.num_cached_blocks = len(hit_blocks)
+        if needed > 0:
+            pool.take_free_blocks(request, needed)
+        # vLLM's prefix-cache stats count the local hit only; pulled tokens are the
+        # connector's (its external prefix cache metrics).
+        self._queries += request.num_tokens
+        self._hits += cached_tokens
+        request.cached_tokens = cached_tokens
+        pulled = request.prompt_len - cached_tokens
+        begin = max(now, self._link_free_at)
+        self._link_free_at = begin + pulled * self.config.kv_transfer_s_per_token
+        request.remote_ready_at = self._link_free_at + self.config.kv_transfer_latency_s
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._receiving.append(request)
+        return True
+
+    def _promote_received(self, now: float) -> None:
+        """Requests whose pull completed by ``now``: their blocks enter the prefix cache (KV
+        events), the whole prompt but its last token counts as computed, and they go back to
+        the head of the queue (vLLM's ``_update_waiting_for_remote_kv``)."""
+        landed = [r for r in self._receiving if (r.remote_ready_at or 0.0) <= now]
+        for request in reversed(landed):
+            self._receiving.remove(request)
+            self._pool.cache_full_blocks(request, request.prompt_len)
+            request.num_computed = request.prompt_len - 1
+            request.status = RequestStatus.WAITING
+            self._waiting.appendleft(request)
 
     def _step_duration(self, scheduled: list[tuple[RequestState, int]]) -> float:
         prefill_tokens = 0
@@ -443,7 +528,7 @@ class Engine:
     def metrics(self) -> EngineMetrics:
         return EngineMetrics(
             num_requests_running=len(self._running),
-            num_requests_waiting=len(self._waiting),
+            num_requests_waiting=len(self._waiting) + len(self._receiving),
             kv_cache_usage=self._pool.usage(),
             num_cached_blocks=self._pool.num_cached_blocks(),
             prefix_cache_queries=self._queries,

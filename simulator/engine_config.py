@@ -55,6 +55,11 @@ class EngineConfig:
     output_seed: int = 0
     data_parallel_rank: int = 0
     hasher_cache_blocks: int = 50_000
+    kv_transfer_s_per_token: float = 0.0
+    """Disaggregated serving: seconds to pull one prompt token's KV from a prefill pod (the
+    model's KV bytes per token over the link's bandwidth); pulls share the link one at a time."""
+    kv_transfer_latency_s: float = 0.0
+    """Fixed cost of one pull (the connector's handshake and notification)."""
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 2:
@@ -64,6 +69,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_transfer_s_per_token", "kv_transfer_latency_s"):
+            if not getattr(self, name) >= 0.0:
+                raise EngineError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.output_vocab_size < 1 and not self.output_token_pool:
             raise EngineError("output_vocab_size must be >= 1 when output_token_pool is empty")
 

@@ -10,6 +10,9 @@ from simulator.engine_config import LoRA
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # vLLM's WAITING_FOR_REMOTE_KVS: blocks allocated, the prompt's KV being pulled from the
+    # prefill pod that computed it (disaggregated serving, the decode side).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
     ABORTED = "aborted"
 
@@ -34,6 +37,8 @@ class RequestState:
         "num_preemptions",
         "num_tokens",
         "prompt_len",
+        "remote_prefill",
+        "remote_ready_at",
         "req_id",
         "status",
         "token_ids",
@@ -72,3 +77,7 @@ class RequestState:
         self.num_preemptions = 0
         self.cached_tokens = -1  # vLLM's num_cached_tokens: set at first scheduling
         self.first_token_time: float | None = None
+        # Disaggregated serving: the prompt was computed on a prefill pod and its KV is pulled
+        # over the link instead of computed here (once: a preempted request recomputes).
+        self.remote_prefill = False
+        self.remote_ready_at: float | None = None  # when the pull completes
