@@ -16,8 +16,10 @@ started, and each process's output stays in a log file in the stack's working di
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ import zmq
 from epp.envoy_bootstrap import EnvoyProcess
 from launcher.configs import equal_weights_config
 from launcher.metrics_proxy import MetricsProxy
-from launcher.ports import LOOPBACK
+from launcher.ports import LOOPBACK, reserve_port
 from launcher.processes import (
     EppPorts,
     PodPorts,
@@ -50,6 +52,22 @@ QUICK_PODS: Final = ("--speedup", "20", "--max-num-seqs", "8")
 """Simulated pods that answer in milliseconds: runs that check behaviour, not timing."""
 
 
+ROLE_LABEL: Final = "llm-d.ai/role"
+ROLES: Final = ("prefill", "decode")
+
+
+def role_options(role: str) -> list[str]:
+    """Simulator flags of a P/D role: a NIXL connector producing (prefill) or consuming
+    (decode) KV."""
+    if role not in ROLES:
+        raise ValueError(f"pod role {role!r} is not one of {', '.join(ROLES)}")
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return [
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role}),
+    ]
+
+
 @dataclass
 class Pod:
     index: int
@@ -59,10 +77,36 @@ class Pod:
     proc: subprocess.Popen[bytes] | None = None
     metrics_proxy: MetricsProxy | None = None
     replay_url_override: str | None = None
+    role: str | None = None  # llm-d.ai/role: "prefill", "decode" (behind a routing sidecar)
+    sidecar_port: int | None = None
+    sidecar_proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
+        """Where requests for the pod go: its routing sidecar's port when it has one."""
+        if self.sidecar_port is not None:
+            return f"{self.ports.host}:{self.sidecar_port}"
         return self.ports.address
+
+    def sidecar_command(self) -> list[str]:
+        assert self.sidecar_port is not None
+        return [
+            sys.executable,
+            "-m",
+            "simulator.routing_sidecar",
+            "--host",
+            self.ports.host,
+            "--port",
+            str(self.sidecar_port),
+            "--vllm-host",
+            self.ports.host,
+            "--vllm-port",
+            str(self.ports.http),
+            "--pod-ip",
+            self.ports.host,
+            "--log-level",
+            "warning",
+        ]
 
     @property
     def replay_url(self) -> str:
@@ -71,6 +115,9 @@ class Pod:
     def endpoint(self) -> dict[str, Any]:
         """Its entry in ``epp serve --endpoints-file``."""
         entry: dict[str, Any] = self.ports.endpoint()
+        entry["address"] = self.address
+        if self.role is not None:
+            entry["labels"] = {ROLE_LABEL: self.role}
         if self.replay_url_override is not None:
             entry["replayUrl"] = self.replay_url_override
         if self.metrics_proxy is not None:
@@ -121,6 +168,7 @@ class Stack:
         silent_replay: Iterable[int] = (),
         envoy_options: Mapping[str, Any] | None = None,
         ready_timeout: float = 60.0,
+        roles: Sequence[str | None] = (),
     ) -> Stack:
         """Starts ``pods`` simulated pods serving ``model`` (``pod_args``: more simulator flags),
         then, unless ``replicas`` is 0, that many EPP replicas routing to them and to
@@ -128,20 +176,34 @@ class Stack:
         endpoints file) with ``config`` (default `equal_weights_config`) and a real Envoy in
         front of the replicas (``envoy_options`` go to `render_envoy_config`).  Pods listed in
         ``metrics_proxies`` are scraped through a `MetricsProxy`; those in ``silent_replay``
-        get a replay URL that never answers.  On any failure everything started is stopped."""
+        get a replay URL that never answers.  ``roles`` (one per pod, None for an aggregated
+        pod) make a P/D fleet: "prefill" pods prefill for remote decoders, "decode" pods pull
+        their KV and are reached through a routing sidecar (`simulator.routing_sidecar`); each
+        is labelled ``llm-d.ai/role``.  On any failure everything started is stopped."""
         stack = cls(work=work, tokenizer_dir=tokenizer_dir, ready_timeout=ready_timeout)
         proxied = set(metrics_proxies)
         try:
             if pods and tokenizer_dir is None:
                 raise ValueError("simulated pods need a tokenizer directory")
+            if roles and len(roles) != pods:
+                raise ValueError(f"{len(roles)} roles for {pods} pods")
             for i in range(pods):
                 assert tokenizer_dir is not None
                 ports = PodPorts.free()
+                role = roles[i] if roles else None
                 options = [*pod_args, "--log-level", "warning"]
+                sidecar = reserve_port() if role == "decode" else None
+                if role is not None:
+                    options += role_options(role)
+                if sidecar is not None:
+                    # Its KV events name the pod as the EPP knows it: the sidecar's address.
+                    options += ["--pod-address", f"{ports.host}:{sidecar}"]
                 args = pod_command(
                     ports, model=model, tokenizer=tokenizer_dir, seed=i, options=options
                 )
-                stack.pods.append(Pod(i, ports, args, work / f"pod-{i}.log"))
+                stack.pods.append(
+                    Pod(i, ports, args, work / f"pod-{i}.log", role=role, sidecar_port=sidecar)
+                )
                 stack.start_pod(i, wait=False)
             for pod in stack.pods:
                 stack._wait_pod(pod)
@@ -218,8 +280,17 @@ class Stack:
     def _wait_pod(self, pod: Pod) -> None:
         assert pod.proc is not None
         asyncio.run(
-            wait_http(f"http://{pod.address}/health", pod.proc, pod.log, self.ready_timeout)
+            wait_http(f"http://{pod.ports.address}/health", pod.proc, pod.log, self.ready_timeout)
         )
+        if pod.sidecar_proc is not None:
+            asyncio.run(
+                wait_http(
+                    f"http://{pod.address}/health",
+                    pod.sidecar_proc,
+                    pod.log.with_suffix(".sidecar.log"),
+                    self.ready_timeout,
+                )
+            )
 
     @property
     def config_path(self) -> Path:
@@ -240,6 +311,10 @@ class Stack:
     def start_pod(self, i: int, *, wait: bool = True) -> None:
         pod = self.pods[i]
         pod.proc = spawn(pod.args, pod.log)
+        if pod.sidecar_port is not None and (
+            pod.sidecar_proc is None or pod.sidecar_proc.poll() is not None
+        ):
+            pod.sidecar_proc = spawn(pod.sidecar_command(), pod.log.with_suffix(".sidecar.log"))
         if wait:
             self._wait_pod(pod)
 
@@ -282,7 +357,8 @@ class Stack:
         if self.envoy is not None:
             self.envoy.stop()
             self.envoy = None
-        for proc in [r.proc for r in self.replicas] + [p.proc for p in self.pods]:
+        sidecars = [p.sidecar_proc for p in self.pods]
+        for proc in [r.proc for r in self.replicas] + [p.proc for p in self.pods] + sidecars:
             if proc is not None:
                 stop_process(proc, timeout=15)
         for pod in self.pods:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from indexer.errors import IndexerError
 from indexer.hashing import HashAlgo
 from indexer.tokenization import PromptTokenizer, load_hf_tokenizer
 from simulator.engine_config import EngineConfig, EngineError
-from simulator.profiles import PROFILES, ProfileError, get_profile
+from simulator.profiles import PROFILES, Profile, ProfileError, get_profile
 from simulator.server import SimulatedPod
 from simulator.server_config import FaultConfig, ServerConfig, SimulatorError
 
@@ -109,6 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
         dest="enable_prefix_caching",
         action="store_false",
         help="disable the prefix cache (no hits, no KV events)",
+    )
+
+    transfer = parser.add_argument_group("disaggregated prefill/decode")
+    transfer.add_argument(
+        "--kv-transfer-config",
+        help='vLLM\'s flag, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\': the pod '
+        "honours kv_transfer_params (prefill for a remote decoder, or decode from a remote "
+        "prefiller's KV); the simulator models NixlConnector's pull only",
+    )
+    transfer.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=400.0,
+        help="the pod's KV link for pulls, in Gb/s (default 400: one RDMA NIC per GPU); a "
+        "pull of N prompt tokens takes N × the profile's KV bytes per token over this",
+    )
+    transfer.add_argument(
+        "--kv-transfer-latency-ms",
+        type=float,
+        default=1.0,
+        help="fixed cost of one pull: handshake and completion notice (default 1 ms)",
     )
 
     events = parser.add_argument_group("KV events")
@@ -193,6 +215,50 @@ def _drop_seqs(value: str) -> frozenset[int]:
         ) from None
 
 
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def kv_connector(text: str | None) -> str | None:
+    """``--kv-transfer-config``'s connector and role checked (None without the flag)."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SimulatorError(f"--kv-transfer-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise SimulatorError("--kv-transfer-config must be a JSON object")
+    connector = config.get("kv_connector")
+    if connector != "NixlConnector":
+        raise SimulatorError(
+            f"--kv-transfer-config: kv_connector {connector!r}: the simulator models "
+            "NixlConnector (a decode pod pulling the prefill pod's KV) only"
+        )
+    role = config.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise SimulatorError(
+            f"--kv-transfer-config: kv_role {role!r} is not one of {', '.join(KV_ROLES)}"
+        )
+    return f"{connector}/{role}"
+
+
+def kv_transfer_timing(profile: Profile, link_gbps: float, latency_ms: float) -> dict[str, float]:
+    """The engine's pull timing from the profile's KV size and the link."""
+    if not link_gbps > 0:
+        raise SimulatorError(f"--kv-link-gbps must be > 0, got {link_gbps}")
+    if not latency_ms >= 0:
+        raise SimulatorError(f"--kv-transfer-latency-ms must be >= 0, got {latency_ms}")
+    if profile.kv_bytes_per_token <= 0:
+        raise SimulatorError(
+            f"profile {profile.name!r} does not state its KV bytes per token, so a KV transfer "
+            "cannot be timed; use a profile that does (llama3-8b-h100, tiny-cpu, ...)"
+        )
+    return {
+        "kv_transfer_s_per_token": profile.kv_bytes_per_token * 8 / (link_gbps * 1e9),
+        "kv_transfer_latency_s": latency_ms / 1000,
+    }
+
+
 def load_tokenizer(
     directory: str | None, model: str, chat_template: str | None
 ) -> tuple[PromptTokenizer, object]:
@@ -219,6 +285,11 @@ def build_pod(args: argparse.Namespace) -> SimulatedPod:
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
+    connector = kv_connector(args.kv_transfer_config)
+    if connector is not None:
+        timing = kv_transfer_timing(profile, args.kv_link_gbps, args.kv_transfer_latency_ms)
+        # --speedup makes the whole pod faster, its link included.
+        overrides.update({k: v / args.speedup for k, v in timing.items()})
     engine_config = EngineConfig.from_profile(profile, **overrides)
     pod_address = args.pod_address
     if pod_address is not None and ":" not in pod_address:
@@ -244,6 +315,7 @@ def build_pod(args: argparse.Namespace) -> SimulatedPod:
             seed=args.seed,
         ),
         output_seed=args.seed,
+        kv_connector=connector,
     )
     tokenizer, hf = load_tokenizer(args.tokenizer, args.model, args.chat_template)
     decode = getattr(hf, "decode", None)

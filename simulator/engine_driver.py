@@ -88,6 +88,7 @@ class EngineDriver:
         cache_salt: str | None,
         lora: LoRA | None,
         prefix: str,
+        remote_prefill: bool = False,
     ) -> InFlight:
         """Hand a prepared prompt to the engine; raises `RequestRejected` as the engine does."""
         req_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -100,6 +101,7 @@ class EngineDriver:
             cache_salt=cache_salt,
             lora=lora,
             block_digests=prompt.digests,
+            remote_prefill=remote_prefill,
         )
         flight = InFlight(req_id, now)
         self._inflight[req_id] = flight

@@ -34,6 +34,7 @@ class GenerationBody(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionBody(GenerationBody):
@@ -113,7 +114,13 @@ def usage(stats: RequestStats, completion_tokens: int | None = None) -> dict[str
 
 
 def response_body(
-    kind: Kind, req_id: str, created: int, model: str, text: str, stats: RequestStats
+    kind: Kind,
+    req_id: str,
+    created: int,
+    model: str,
+    text: str,
+    stats: RequestStats,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole answer of a non-streamed generation (the simulator has no EOS: it always
     stops on length)."""
@@ -135,7 +142,7 @@ def response_body(
             ],
             "usage": usage(stats),
             "system_fingerprint": None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": kv_transfer_params,
         }
     return {
         "id": req_id,
@@ -164,7 +171,7 @@ def response_body(
         "system_fingerprint": None,
         "usage": usage(stats),
         "prompt_logprobs": None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": kv_transfer_params,
     }
 
 

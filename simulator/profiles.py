@@ -64,6 +64,9 @@ class Profile:
     metrics_per_request_s: float = 0.0
     """Extra ``/metrics`` latency per request running or waiting: vLLM renders ``/metrics`` in
     the API server process that also streams every response, so a busy pod answers late."""
+    kv_bytes_per_token: int = 0
+    """KV cache bytes of one token (2 · layers · kv_heads · head_dim · dtype bytes): what a
+    disaggregated decode pod pulls per prompt token.  0: unknown (no P/D on this profile)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -79,6 +82,11 @@ class Profile:
             value = getattr(self, field)
             if not value >= 0.0:
                 raise ProfileError(f"profile {self.name!r}: {field} must be >= 0, got {value!r}")
+        if self.kv_bytes_per_token < 0:
+            raise ProfileError(
+                f"profile {self.name!r}: kv_bytes_per_token must be >= 0, got "
+                f"{self.kv_bytes_per_token}"
+            )
         if self.kv_capacity_tokens < self.block_size:
             raise ProfileError(
                 f"profile {self.name!r}: kv_capacity_tokens {self.kv_capacity_tokens} holds "
@@ -200,6 +208,7 @@ def dense_gpu_profile(
         decode_s_per_context_token=kv_bytes_per_token / effective_bandwidth,
         kv_capacity_tokens=int(kv_bytes // kv_bytes_per_token),
         max_model_len=max_model_len,
+        kv_bytes_per_token=kv_bytes_per_token,
     )
 
 
@@ -289,7 +298,8 @@ TINY_CPU: Final = Profile(
     description=(
         "A small, fast pod for demos and tests: 4096 tokens of KV (256 blocks of 16), 20 µs per "
         "prefill token (a 1k-token prompt prefills in ~25 ms), decode steps of ~5 ms. Not a "
-        "model of any hardware; chosen so cache effects are visible within seconds."
+        "model of any hardware; chosen so cache effects are visible within seconds. KV of "
+        "32 KiB per token (a 1B-class model) for P/D transfers."
     ),
     step_overhead_s=1e-3,
     linear_s_per_token=20e-6,
@@ -301,6 +311,7 @@ TINY_CPU: Final = Profile(
     max_model_len=4096,
     max_num_batched_tokens=2048,
     max_num_seqs=64,
+    kv_bytes_per_token=32 * 1024,
 )
 
 VLLM_CPU_TINY: Final = Profile(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -32,6 +33,7 @@ from simulator.engine_config import EngineConfig, LoRA, RequestRejected
 from simulator.engine_driver import EngineDriver, InFlight, PodRestarted
 from simulator.engine_outputs import RequestStats
 from simulator.kv_event_publisher import KVEventPublisher
+from simulator.kv_transfer import Leg, TransferError, transfer_side
 from simulator.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatBody,
@@ -56,6 +58,8 @@ from simulator.profiles import Profile
 from simulator.prometheus_metrics import PodCollector
 from simulator.prompt_preparation import PromptPreparer
 from simulator.server_config import ServerConfig, SimulatorError
+
+logger = logging.getLogger(__name__)
 
 VLLM_VERSION: Final = "0.33.0"
 
@@ -141,6 +145,9 @@ class SimulatedPod:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(PodCollector(config.model, self.driver, self.publisher))
         self._created = int(time.time())
+        self._transfer = transfer_side(
+            config.kv_connector, config.advertised_address.rpartition(":")[0]
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -216,15 +223,21 @@ class SimulatedPod:
         def encode() -> list[int]:
             return tokenizer.encode_completion(prompt, add_special_tokens=body.add_special_tokens)
 
+        leg = self._leg(body)
         prepared = await self._prompts.prepare(encode, body.cache_salt, lora)
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         await self._inject_latency()
         flight = self.driver.submit(
-            prepared, max_tokens, cache_salt=body.cache_salt, lora=lora, prefix="cmpl"
+            prepared,
+            max_tokens,
+            cache_salt=body.cache_salt,
+            lora=lora,
+            prefix="cmpl",
+            remote_prefill=leg == "decode",
         )
         if body.stream:
             return await self._stream(request, flight, model, "completion", body.stream_options)
-        return await self._respond(flight, model, "completion")
+        return await self._respond(flight, model, "completion", prefill_leg=leg == "prefill")
 
     @_handles_errors
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -245,17 +258,23 @@ class SimulatedPod:
                 add_special_tokens=body.add_special_tokens,
             )
 
+        leg = self._leg(body)
         prepared = await self._prompts.prepare(encode, body.cache_salt, lora)
         requested = body.max_completion_tokens or body.max_tokens
         room = self._engine_config.max_model_len - len(prepared.token_ids)
         max_tokens = requested or max(1, min(self.config.default_max_tokens, room))
         await self._inject_latency()
         flight = self.driver.submit(
-            prepared, max_tokens, cache_salt=body.cache_salt, lora=lora, prefix="chatcmpl"
+            prepared,
+            max_tokens,
+            cache_salt=body.cache_salt,
+            lora=lora,
+            prefix="chatcmpl",
+            remote_prefill=leg == "decode",
         )
         if body.stream:
             return await self._stream(request, flight, model, "chat", body.stream_options)
-        return await self._respond(flight, model, "chat")
+        return await self._respond(flight, model, "chat", prefill_leg=leg == "prefill")
 
     def _check_generation(self, body: GenerationBody) -> None:
         if body.n != 1:
@@ -263,11 +282,28 @@ class SimulatedPod:
         if body.max_tokens is not None and body.max_tokens < 1:
             raise HTTPError(400, f"max_tokens must be at least 1, got {body.max_tokens}")
 
+    def _leg(self, body: GenerationBody) -> Leg | None:
+        """The request's P/D leg from its ``kv_transfer_params`` (`simulator.kv_transfer`).
+        Without ``--kv-transfer-config`` they are ignored, as vLLM without a connector does."""
+        if body.kv_transfer_params is None:
+            return None
+        if self._transfer is None:
+            logger.warning(
+                "kv_transfer_params ignored: this pod has no --kv-transfer-config (as vLLM)"
+            )
+            return None
+        try:
+            return self._transfer.leg(body.kv_transfer_params, stream=body.stream)
+        except TransferError as exc:
+            raise HTTPError(400, str(exc)) from exc
+
     async def _inject_latency(self) -> None:
         if self._faults.slow_ms > 0:
             await asyncio.sleep(self._faults.slow_ms / 1000)
 
-    async def _respond(self, flight: InFlight, model: str, kind: Kind) -> web.Response:
+    async def _respond(
+        self, flight: InFlight, model: str, kind: Kind, *, prefill_leg: bool = False
+    ) -> web.Response:
         token_ids: list[int] = []
         stats: RequestStats | None = None
         async for out in self.driver.outputs(flight):
@@ -276,7 +312,14 @@ class SimulatedPod:
         assert stats is not None
         text = self._vocabulary.text_of(token_ids)
         created = int(time.time())
-        return web.json_response(response_body(kind, flight.req_id, created, model, text, stats))
+        transfer = None
+        if prefill_leg and self._transfer is not None:
+            transfer = self._transfer.prefill_answer(
+                flight.req_id, stats.prompt_tokens, self._engine_config.block_size
+            )
+        return web.json_response(
+            response_body(kind, flight.req_id, created, model, text, stats, transfer)
+        )
 
     async def _stream(
         self,

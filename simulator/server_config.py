@@ -63,6 +63,8 @@ class ServerConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     tokenizer_workers: int = 2
     output_seed: int = 0
+    kv_connector: str | None = None
+    """``--kv-transfer-config``'s ``<connector>/<role>``: None ignores ``kv_transfer_params``."""
 
     @property
     def topic(self) -> str:
