@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the NONE_HASH seed vLLM takes from PYTHONHASHSEED (default: that variable; unset "
         "means vLLM's 'vllm-none-hash')",
     )
+    engine.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help="this server is data-parallel rank R of a pod (vLLM's external load-balancing "
+        "mode): its KV-event and replay ports are offset by R and its batches carry R, as "
+        "vLLM's (default 0)",
+    )
     engine.add_argument("--max-model-len", type=int, help="default from the profile")
     engine.add_argument("--max-num-seqs", type=int, help="default from the profile")
     engine.add_argument("--max-num-batched-tokens", type=int, help="default from the profile")
@@ -196,6 +204,21 @@ def _endpoint(host: str, port: int | None, explicit: str | None) -> str | None:
     return f"tcp://{bind_host}:{port}"
 
 
+def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's ``offset_endpoint_port``: rank R publishes on the configured port + R
+    (``inproc://x`` becomes ``inproc://x_dp<R>``; port 0 stays 0)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise SimulatorError(f"KV-events endpoint {endpoint!r} has no port to offset")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    raise SimulatorError(f"KV-events endpoint {endpoint!r}: must be tcp:// or inproc://")
+
+
 def _lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
     modules = []
     for value in values:
@@ -278,6 +301,9 @@ def build_pod(args: argparse.Namespace) -> SimulatedPod:
         "hash_seed": args.hash_seed,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
+    if args.data_parallel_rank < 0:
+        raise SimulatorError(f"--data-parallel-rank must be >= 0, got {args.data_parallel_rank}")
+    overrides["data_parallel_rank"] = args.data_parallel_rank
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
     if args.capacity_blocks is not None:
@@ -299,10 +325,15 @@ def build_pod(args: argparse.Namespace) -> SimulatedPod:
         host=args.host,
         port=args.port,
         pod_address=pod_address,
-        kv_events_endpoint=_endpoint(args.host, args.kv_events_port, args.kv_events_endpoint),
+        kv_events_endpoint=offset_endpoint_port(
+            _endpoint(args.host, args.kv_events_port, args.kv_events_endpoint),
+            args.data_parallel_rank,
+        ),
         # --kv-events-port always binds; a full --kv-events-endpoint follows vLLM's rule.
         kv_events_bind=True if args.kv_events_endpoint is None else None,
-        replay_endpoint=_endpoint(args.host, args.replay_port, args.replay_endpoint),
+        replay_endpoint=offset_endpoint_port(
+            _endpoint(args.host, args.replay_port, args.replay_endpoint), args.data_parallel_rank
+        ),
         kv_events_topic=args.kv_events_topic,
         buffer_steps=args.kv_events_buffer_steps,
         default_max_tokens=args.default_max_tokens,

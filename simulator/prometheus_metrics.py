@@ -1,7 +1,7 @@
 """The pod's ``/metrics``: the engine and the serving statistics under vLLM 0.33's names.
 
 As in ``vllm/v1/metrics/loggers.py``, every family carries the labels ``model_name`` and
-``engine`` (the data-parallel engine index, always 0 here), ``vllm:kv_cache_usage_perc`` is a
+``engine`` (the data-parallel engine index: ``--data-parallel-rank``), ``vllm:kv_cache_usage_perc`` is a
 fraction from 0 to 1, prefix-cache queries and hits count tokens, and ``vllm:cache_config_info``
 is a gauge of 1 whose labels are the cache settings.  prometheus_client adds ``_total`` to counters.
 What the EPP reads of these is in docs/vllm-interop.md ("Prometheus metrics").
@@ -37,7 +37,7 @@ class PodCollector:
     def collect(self) -> Iterable[Metric]:
         metrics = self._driver.engine.metrics()
         stats = self._driver.serving_stats
-        values = [self._model, "0"]
+        values = [self._model, str(self._driver.engine.config.data_parallel_rank)]
         yield from _families(
             GaugeMetricFamily,
             values,
