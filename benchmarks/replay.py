@@ -47,12 +47,16 @@ from epp.director import Director, TrackedDecision
 from indexer.events import KVEventBatch
 from indexer.subscriber_config import KVEventSink
 from scorers.base import EndpointMetrics, LLMRequest, PluginContext, Usage
+from scorers.disagg import PREFILLER_HEADER
+from scorers.filters import ROLE_LABEL
 from simulator.engine import Engine
 from simulator.engine_config import EngineConfig
 from simulator.engine_outputs import RequestOutput
 from simulator.profiles import LLAMA3_8B_H100, Profile
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PREFILL_LEG = ":prefill"
+"""Suffix of a disaggregated request's prefill-leg id on its prefill engine."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +76,29 @@ class FleetSpec:
     """The Inference Extension's metrics refresh interval (50 ms)."""
     event_lag: float = 0.02
     """From the end of an engine step to its KV events reaching the index."""
+    roles: tuple[str | None, ...] = ()
+    """Per pod, its ``llm-d.ai/role`` ("prefill", "decode"; None or () for aggregated pods).
+    A request the EPP disaggregates (``x-prefiller-host-port``) runs one token on its prefill
+    pod, then on its decode pod pulling the prompt's KV, as the routing sidecar does."""
+    kv_link_gbps: float = 400.0
+    """A decode pod's link for KV pulls (Gb/s): a pull takes its tokens × the profile's KV
+    bytes per token over this, pulls queued one after another."""
+    kv_transfer_latency: float = 0.001
+    """Fixed seconds per pull (handshake, completion notice)."""
+
+    def __post_init__(self) -> None:
+        if self.roles and len(self.roles) != self.pods:
+            raise ValueError(f"{len(self.roles)} roles for {self.pods} pods")
+        if "decode" in self.roles and self.profile.kv_bytes_per_token <= 0:
+            raise ValueError(
+                f"profile {self.profile.name!r} states no KV bytes per token: KV pulls to "
+                "decode pods cannot be timed"
+            )
+        if not self.kv_link_gbps > 0:
+            raise ValueError(f"kv_link_gbps must be > 0, got {self.kv_link_gbps}")
+
+    def role(self, pod: int) -> str | None:
+        return self.roles[pod] if self.roles else None
 
     @property
     def capacity(self) -> int:
@@ -86,13 +113,24 @@ class FleetSpec:
         """Cacheable blocks per pod (vLLM's ``num_gpu_blocks`` minus the null block)."""
         return self.capacity // self.block_size
 
-    def engine_config(self, *, emit_events: bool) -> EngineConfig:
+    def engine_config(
+        self, *, emit_events: bool, role: str | None = None, record_token_times: bool = False
+    ) -> EngineConfig:
+        transfer: dict[str, float] = {}
+        if role == "decode":
+            bytes_per_s = self.kv_link_gbps * 1e9 / 8
+            transfer = {
+                "kv_transfer_s_per_token": self.profile.kv_bytes_per_token / bytes_per_s,
+                "kv_transfer_latency_s": self.kv_transfer_latency,
+            }
         return EngineConfig.from_profile(
             self.profile,
             block_size=self.block_size,
             num_gpu_blocks=self.usable_blocks + 1,
             max_model_len=self.max_model_len,
             emit_events=emit_events,
+            record_token_times=record_token_times,
+            **transfer,
         )
 
     def addresses(self) -> list[str]:
@@ -122,6 +160,10 @@ class ReplayResult:
     preemptions: int
     wall_seconds: float
     decisions_per_pod: list[int] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    """Seconds between consecutive output tokens of a request (with ``record_itl``)."""
+    disaggregated: int = 0
+    """Requests prefilled on a prefill pod."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -193,6 +235,7 @@ class Replay:
         policy: str = "policy",
         seed: int = 0,
         kv_store: str | None = None,
+        record_itl: bool = False,
     ) -> None:
         if len(keys) != len(workload.requests):
             raise ValueError("one block-key array per request is needed")
@@ -216,10 +259,29 @@ class Replay:
         self.datastore.add_listener(self.context.kv_caches)
         self.sinks: list[KVEventSink] = list(self.context.kv_caches)
         self.addresses = fleet.addresses()
-        config = fleet.engine_config(emit_events=bool(self.sinks))
-        self.engines = [Engine(config, fleet.profile) for _ in self.addresses]
-        for address in self.addresses:
-            self.datastore.upsert(EndpointSpec(address=address))
+        self.engines = [
+            Engine(
+                fleet.engine_config(
+                    emit_events=bool(self.sinks),
+                    role=fleet.role(pod),
+                    record_token_times=record_itl,
+                ),
+                fleet.profile,
+            )
+            for pod in range(len(self.addresses))
+        ]
+        for pod, address in enumerate(self.addresses):
+            role = fleet.role(pod)
+            labels = {ROLE_LABEL: role} if role is not None else {}
+            self.datastore.upsert(EndpointSpec(address=address, labels=labels))
+        self.record_itl = record_itl
+        self._itl: list[float] = []
+        self._last_token: dict[str, float] = {}
+        # P/D: a prefill leg's id → (decode pod, request id, output tokens, keys, prompt tokens).
+        self._handoffs: dict[str, tuple[int, str, int, list[int], int]] = {}
+        self._prefill_cached: dict[str, int] = {}
+        self._arrivals: dict[str, float] = {}
+        self._disaggregated = 0
         self._events: list[deque[tuple[float, KVEventBatch]]] = [deque() for _ in self.addresses]
         self._decisions: dict[str, TrackedDecision] = {}
         self._records: list[RequestRecord] = []
@@ -251,7 +313,18 @@ class Replay:
 
     def _run_engines(self, t: float) -> None:
         """Run every engine step that ends by ``t``; hand first tokens and completions to the
-        director in time order (the clock reads each one's own time)."""
+        director in time order (the clock reads each one's own time).  A P/D fleet runs event
+        by event: a prefill leg's end hands its request to a decode engine at that moment."""
+        if not self.fleet.roles:
+            self._run_engines_until(t)
+            return
+        while True:
+            due = [w for e in self.engines if (w := e.next_event_time()) is not None and w <= t]
+            if not due:
+                return
+            self._run_engines_until(min(due))
+
+    def _run_engines_until(self, t: float) -> None:
         happened: list[tuple[float, int, int, RequestOutput]] = []
         for pod, engine in enumerate(self.engines):
             next_time = engine.next_event_time()
@@ -261,6 +334,8 @@ class Replay:
                     lag = self.fleet.event_lag
                     self._events[pod].extend((b.ts + lag, b) for b in result.kv_batches)
                 for out in result.outputs.values():
+                    if self.record_itl and out.token_times:
+                        self._inter_token(out.req_id, out.token_times)
                     if out.first_token_time is not None:
                         happened.append((out.first_token_time, 0, pod, out))
                     if out.finished:
@@ -269,6 +344,10 @@ class Replay:
             happened.sort(key=lambda item: (item[0], item[1]))
         director = self.director
         for when, finished, pod, out in happened:
+            if out.req_id in self._handoffs:
+                if finished:
+                    self._hand_off(out, when)
+                continue
             entry = self._decisions.get(out.req_id)
             if entry is None:
                 continue
@@ -279,21 +358,52 @@ class Replay:
             stats = out.stats
             assert stats is not None and stats.first_token_time is not None
             del self._decisions[out.req_id]
+            self._last_token.pop(out.req_id, None)
+            arrival = self._arrivals.pop(out.req_id, stats.arrival_time)
+            # A disaggregated request's cache hit is its prefill pod's (llm-d's sidecar reports
+            # that one to the client too).
+            cached = self._prefill_cached.pop(out.req_id, stats.cached_tokens)
             director.response_complete(
-                entry, Usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens), 200
+                entry, Usage(stats.prompt_tokens, stats.completion_tokens, cached), 200
             )
             self._records.append(
                 RequestRecord(
                     out.req_id,
                     pod,
-                    stats.arrival_time,
+                    arrival,
                     stats.prompt_tokens,
-                    stats.cached_tokens,
+                    cached,
                     stats.completion_tokens,
-                    stats.first_token_time - stats.arrival_time,
+                    stats.first_token_time - arrival,
                     stats.finish_time,
                 )
             )
+
+    def _inter_token(self, req_id: str, token_times: Sequence[float]) -> None:
+        if req_id in self._handoffs:
+            return  # a prefill leg's one token is not the client's
+        last = self._last_token.get(req_id)
+        for when in token_times:
+            if last is not None:
+                self._itl.append(when - last)
+            last = when
+        if last is not None:
+            self._last_token[req_id] = last
+
+    def _hand_off(self, out: RequestOutput, when: float) -> None:
+        """A prefill leg finished: its request goes to its decode engine, pulling the KV."""
+        pod, req_id, output_tokens, keys, prompt_tokens = self._handoffs.pop(out.req_id)
+        if out.stats is not None:
+            self._prefill_cached[req_id] = out.stats.cached_tokens
+        self.engines[pod].add_request(
+            req_id,
+            None,
+            output_tokens,
+            when,
+            block_keys=keys,
+            num_prompt_tokens=prompt_tokens,
+            remote_prefill=True,
+        )
 
     def _scrapes_answered_by(self, t: float) -> list[tuple[float, int]]:
         """Per pod, the last scrape answer at or before ``t`` (earlier ones would be overwritten
@@ -384,6 +494,30 @@ class Replay:
             pod = index_of[decision.targets[0]]
             self._per_pod[pod] += 1
             self._decisions[request.request_id] = decision
+            self._arrivals[request.request_id] = t
+            prefiller = llm.set_headers.get(PREFILLER_HEADER)
+            if prefiller:
+                # The routing sidecar's first leg: one token on the prefill pod.
+                leg = request.request_id + PREFILL_LEG
+                self._handoffs[leg] = (
+                    pod,
+                    request.request_id,
+                    request.output_length,
+                    keys.tolist(),
+                    request.input_length,
+                )
+                self._disaggregated += 1
+                pod = index_of[prefiller]
+                self._per_pod[pod] += 1
+                engines[pod].add_request(
+                    leg,
+                    None,
+                    1,
+                    t,
+                    block_keys=keys.tolist(),
+                    num_prompt_tokens=request.input_length,
+                )
+                continue
             engines[pod].add_request(
                 request.request_id,
                 None,
@@ -407,6 +541,8 @@ class Replay:
             preemptions=sum(m.num_preemptions for m in metrics),
             wall_seconds=time.perf_counter() - started,
             decisions_per_pod=list(self._per_pod),
+            inter_token_latencies=self._itl,
+            disaggregated=self._disaggregated,
         )
 
 

@@ -388,6 +388,7 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     plugins: list[PluginSpec] = []
     classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
+    bad_handlers: list[str] = []
 
     specs_in = with_prefix_producer(
         with_decider_producer(with_token_producer(config.plugins, source))
@@ -413,6 +414,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
             cls.Parameters.model_validate(spec.parameters)
         except ValidationError as exc:
             problems.extend(_describe(exc, cls.Parameters, f"{where}.parameters"))
+            if "profile-handler" in plugin_roles(cls):
+                bad_handlers.append(spec.name)  # declared: only its parameters are wrong
             continue
         classes[spec.name] = cls
         plugins.append(spec)
@@ -507,6 +510,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         problems.append(
             f"plugins: {len(handlers)} profile handlers ({', '.join(handlers)}); declare one"
         )
+    elif bad_handlers:
+        pass  # its parameters are reported; whether it fits the profiles is checked once fixed
     elif not handlers:
         if len(profiles) == 1:
             name = _unused_name(DEFAULT_PROFILE_HANDLER, first_index)

@@ -120,7 +120,8 @@ class Director:
         if not targets:
             raise NoReadyEndpointsError("the picker chose no endpoint")
         primary = targets[0]
-        helpers = tuple(a for a in result.chosen_addresses() if a != primary)
+        prefill = result.prefill_address
+        helpers = (prefill,) if prefill is not None else ()
         self._observe_hit_ratio(request, primary)
         if logger.isEnabledFor(logging.DEBUG):
             # One line per decision at --log-level debug: enough to replay a burst's order,

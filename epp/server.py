@@ -40,7 +40,7 @@ from epp.datastore import Datastore
 from epp.director import Director
 from epp.discovery import Discovery
 from epp.discovery.kubernetes import KubernetesDiscovery
-from epp.discovery.pool import PoolRef, selector_pool
+from epp.discovery.pool import PoolRef, rank_port_clash, selector_pool
 from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.gauges import GaugeSample
@@ -170,10 +170,16 @@ class EndpointPicker:
                     "--endpoint-selector (pool-less discovery) excludes --pool-name, "
                     "--endpoints and --endpoints-file; pass one"
                 )
+            selected = selector_pool(opts.endpoint_selector, opts.endpoint_target_ports)
+            clash = rank_port_clash(
+                opts.kv_events_port, opts.kv_events_replay_port, len(selected.target_ports)
+            )
+            if clash:
+                raise ValueError(clash.replace("; replay is off until then", ""))
             return KubernetesDiscovery(
                 self.datastore,
                 PoolRef(name="(endpoint-selector)", namespace=opts.pool_namespace),
-                fixed_pool=selector_pool(opts.endpoint_selector, opts.endpoint_target_ports),
+                fixed_pool=selected,
                 kv_events_port=opts.kv_events_port,
                 replay_port=opts.kv_events_replay_port,
             )

@@ -184,7 +184,7 @@ class LLMRequest:
         if isinstance(self.prompt, str):
             return len(self.prompt)
         if self.messages is not None:
-            return sum(len(str(m.get("content", ""))) for m in self.messages)
+            return sum(_content_chars(m.get("content")) for m in self.messages)
         return 0
 
     @property
@@ -196,6 +196,18 @@ class LLMRequest:
         if isinstance(self.prompt, list):
             return len(self.prompt)
         return self.approx_prompt_chars // CHARS_PER_TOKEN_ESTIMATE
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's text: a list of parts counts its text parts only (an image's
+    URL or base64 data is not prompt text)."""
+    if isinstance(content, list):
+        return sum(
+            len(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return len(str(content)) if content is not None else 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -220,17 +232,29 @@ class SchedulingResult:
     # What Envoy is told when it differs from the primary targets' addresses: the
     # data-parallel handler sends a rank's request to its pod's primary port.
     destinations: tuple[str, ...] | None = None
+    # The profile whose pod computes the prompt for the primary one (a P/D request's prefill
+    # profile), when there is one: its pod gets the prefill work, the primary pulls the KV.
+    prefill_profile: str | None = None
 
     @property
     def targets(self) -> tuple[Endpoint, ...]:
         return self.profiles[self.primary_profile].targets
 
+    @property
+    def prefill_address(self) -> str | None:
+        """The pod that prefills for the primary, if another pod does."""
+        result = self.profiles.get(self.prefill_profile) if self.prefill_profile else None
+        if result is None or not result.targets:
+            return None
+        address = result.targets[0].address
+        return None if self.targets and address == self.targets[0].address else address
+
     def chosen_addresses(self) -> list[str]:
-        """The first target of each profile that ran, once each: the pods that will compute
-        the request's prompt (a P/D request's prefill and decode pods)."""
-        return list(
-            dict.fromkeys(p.targets[0].address for p in self.profiles.values() if p.targets)
-        )
+        """The pods that will compute the request's prompt and so cache it: the primary
+        target, and the prefill pod of a P/D request (not an encoder)."""
+        chosen = [self.targets[0].address] if self.targets else []
+        prefill = self.prefill_address
+        return [*chosen, prefill] if prefill is not None else chosen
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,7 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, Protocol, Self, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from scorers.base import (
     AllEndpointsFilteredError,
@@ -193,19 +200,36 @@ class AlwaysDisaggMultimodalDecider(Plugin[NoParameters]):
 # disagg-profile-handler
 
 
+_STAGE_DEFAULTS: Final = {"decode": "decode", "prefill": "prefill", "encode": "encode"}
+
+
 class StageProfiles(BaseModel):
+    """Profile names per stage; an empty name means the default, as upstream."""
+
     model_config = ConfigDict(extra="forbid")
 
-    decode: str = Field(default="decode", min_length=1)
-    prefill: str = Field(default="prefill", min_length=1)
-    encode: str = Field(default="encode", min_length=1)
+    decode: str = "decode"
+    prefill: str = "prefill"
+    encode: str = "encode"
+
+    @field_validator("decode", "prefill", "encode", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return _STAGE_DEFAULTS[str(info.field_name)] if value in ("", None) else value
 
 
 class StageDeciders(BaseModel):
+    """Decider plugin names per stage; empty or absent: that stage is not disaggregated."""
+
     model_config = ConfigDict(extra="forbid")
 
-    prefill: str | None = Field(default=None, min_length=1)
-    encode: str | None = Field(default=None, min_length=1)
+    prefill: str | None = None
+    encode: str | None = None
+
+    @field_validator("prefill", "encode", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
 
 
 _LEGACY_KEYS: Final = {
@@ -364,7 +388,9 @@ class DisaggProfileHandler(Plugin[DisaggParameters]):
             self.type_name,
             decision_type(names.encode in kept, names.prefill in kept),
         )
-        return SchedulingResult(primary_profile=names.decode, profiles=kept)
+        return SchedulingResult(
+            primary_profile=names.decode, profiles=kept, prefill_profile=names.prefill
+        )
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         """The sidecar's headers; a client's own values are removed, never forwarded."""

@@ -55,6 +55,7 @@ from epp.discovery.pool import (
     PoolSpec,
     parse_pool,
     pod_endpoints,
+    rank_port_clash,
 )
 from epp.request_rules import RequestRules
 
@@ -439,6 +440,11 @@ class KubernetesDiscovery:
             if changed:
                 if new is not None and self._pool is not None:
                     log.info("%s changed; resyncing its endpoints", self.pool_ref)
+                clash = new and rank_port_clash(
+                    self.kv_events_port, self.replay_port, len(new.target_ports)
+                )
+                if clash:
+                    log.error("%s: %s", self.pool_ref, clash)
                 self._pool = new
                 self._generation += 1
                 pods = self._responses.get("pods")

@@ -116,6 +116,22 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def rank_port_clash(kv_events_port: int | None, replay_port: int | None, ranks: int) -> str | None:
+    """Why the KV-event and replay ports cannot serve ``ranks`` data-parallel ranks, or None:
+    vLLM offsets both by the rank, so their ranges must not overlap."""
+    if ranks < 2 or not kv_events_port or not replay_port:
+        return None
+    if abs(kv_events_port - replay_port) >= ranks:
+        return None
+    low, high = sorted((kv_events_port, replay_port))
+    return (
+        f"--kv-events-port {kv_events_port} and --kv-events-replay-port {replay_port} clash for "
+        f"{ranks} data-parallel ranks: vLLM offsets both ports by the rank, so rank "
+        f"{high - low} would use port {high} for both; put the replay port at least {ranks} "
+        f"ports away from the events port (e.g. {kv_events_port + 100}); replay is off until then"
+    )
+
+
 def pod_endpoints(
     pod: Mapping[str, Any],
     pool: PoolSpec,
@@ -131,6 +147,8 @@ def pod_endpoints(
     ip = str((pod.get("status") or {})["podIP"])
     name = str(meta.get("name", ""))
     several = len(pool.target_ports) > 1
+    if rank_port_clash(kv_events_port, replay_port, len(pool.target_ports)):
+        replay_port = None  # which socket is which cannot be told; said where the pool is set
     out = []
     for rank, port in enumerate(pool.target_ports):
         kv, replay = event_urls(

@@ -511,6 +511,11 @@ def test_values_schema_knows_every_hash_algorithm() -> None:
         ({"envoy": {"enabled": True, "requestBodyMode": "STREAMED"}}, [], "requestBodyMode"),
         ({"admission": {"mode": "drop"}}, [], "/admission/mode"),
         ({"admission": {"maxInFlightPerEndpoint": 0}}, [], "/admission/maxInFlightPerEndpoint"),
+        (
+            {"modelServers": {"targetPorts": [8000, 8001]}},
+            [],
+            "vllm.kvEventsPort 5557 and vllm.kvEventsReplayPort 5558 clash for 2 data-parallel",
+        ),
     ],
 )
 def test_inconsistent_values_are_refused(

@@ -204,7 +204,7 @@ def dp_pod(
                     f"{LOOPBACK}:{sidecar_base + rank}",
                     "--log-level",
                     "warning",
-                ],  # fmt: skip
+                ],
             )
             log = work / f"rank-{rank}.log"
             procs.append(spawn(args, log))
@@ -228,7 +228,7 @@ def dp_pod(
                     LOOPBACK,
                     "--data-parallel-size",
                     str(DP_RANKS),
-                ],  # fmt: skip
+                ],
                 sidecar_log,
             )
         )

@@ -134,15 +134,30 @@ async def test_two_target_ports_give_two_endpoints_per_pod(
     kube.put_pool("pool", match_labels=VLLM, ports=[8000, 8001])
     kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
     kube.put_pod("b", labels=VLLM, ip="10.0.0.2")
-    ds, _ = await start_discovery(kv_events_port=5557, replay_port=5558)
+    ds, _ = await start_discovery(kv_events_port=5557, replay_port=5657)
     await eventually(lambda: len(ds) == 4)
     assert addresses(ds) == ["10.0.0.1:8000", "10.0.0.1:8001", "10.0.0.2:8000", "10.0.0.2:8001"]
     r0, r1 = ds.get("10.0.0.1:8000"), ds.get("10.0.0.1:8001")
     assert r0 is not None and r1 is not None
     assert (r0.name, r1.name) == ("a-rank-0", "a-rank-1")
     # vLLM offsets the KV-event and replay ports by the data-parallel rank.
-    assert (r0.kv_events_url, r0.replay_url) == ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
-    assert (r1.kv_events_url, r1.replay_url) == ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559")
+    assert (r0.kv_events_url, r0.replay_url) == ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5657")
+    assert (r1.kv_events_url, r1.replay_url) == ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5658")
+
+
+async def test_replay_ports_that_clash_with_the_ranks_event_ports_turn_replay_off_with_an_error(
+    kube: FakeKubeApiServer, start_discovery: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 5557 and 5558 for two ranks: rank 1 would publish on rank 0's replay port.
+    kube.put_pool("pool", match_labels=VLLM, ports=[8000, 8001])
+    kube.put_pod("a", labels=VLLM, ip="10.0.0.1")
+    ds, _ = await start_discovery(kv_events_port=5557, replay_port=5558)
+    await eventually(lambda: len(ds) == 2)
+    r0, r1 = ds.get("10.0.0.1:8000"), ds.get("10.0.0.1:8001")
+    assert r0 is not None and r1 is not None
+    assert (r0.kv_events_url, r1.kv_events_url) == ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
+    assert (r0.replay_url, r1.replay_url) == (None, None)
+    assert any("clash for 2 data-parallel ranks" in r.message for r in caplog.records)
 
 
 # ---------------------------------------------------------------------------------------------

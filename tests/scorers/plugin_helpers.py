@@ -98,4 +98,5 @@ def disaggregated_result(decode: Sequence[Endpoint], prefill: Endpoint) -> Sched
             "decode": ProfileResult(targets=tuple(decode), scores={}),
             "prefill": ProfileResult(targets=(prefill,), scores={}),
         },
+        prefill_profile="prefill",
     )

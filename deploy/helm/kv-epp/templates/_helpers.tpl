@@ -82,6 +82,13 @@ app.kubernetes.io/component: proxy
 {{- if and (not .Values.scheduling.configText) (not .Values.scheduling.plugins) }}
 {{- fail "scheduling.plugins is empty: declare at least a scorer or a picker, or give scheduling.configText" }}
 {{- end }}
+{{- $ranks := len .Values.modelServers.targetPorts }}
+{{- if and (gt $ranks 1) .Values.vllm.kvEventsReplayPort }}
+{{- $gap := sub (int .Values.vllm.kvEventsReplayPort) (int .Values.vllm.kvEventsPort) }}
+{{- if lt (ternary $gap (mul -1 $gap) (ge $gap 0)) $ranks }}
+{{- fail (printf "vllm.kvEventsPort %d and vllm.kvEventsReplayPort %d clash for %d data-parallel ranks (modelServers.targetPorts): vLLM offsets both ports by the rank; put the replay port at least %d ports away (e.g. %d)" (int .Values.vllm.kvEventsPort) (int .Values.vllm.kvEventsReplayPort) $ranks $ranks (add (int .Values.vllm.kvEventsPort) 100)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The tokenizer directory given to the precise scorer ("" = none). */}}
