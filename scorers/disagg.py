@@ -70,6 +70,13 @@ MULTIMODAL_PART_TYPES: Final = frozenset({"image_url", "video_url", "input_audio
 
 UPSTREAM_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
 
+DEFAULT_NON_CACHED_TOKENS: Final = 1024
+"""``prefix-based-pd-decider``'s default threshold.  llm-d-router's is 0, which never
+disaggregates; ``python -m benchmarks.pd`` (docs/disaggregation.md) found 1,024 the best of 16 to
+4,096 on multi-turn chat, where most turns then stay on the decode pod that holds the
+conversation and only long new prompts pay for the transfer; long unique prompts disaggregate
+at any of these thresholds."""
+
 
 @dataclass(slots=True, frozen=True)
 class DisaggDecision:
@@ -110,10 +117,11 @@ class PrefixDeciderParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     nonCachedTokens: int = Field(
-        default=0,
+        default=DEFAULT_NON_CACHED_TOKENS,
         ge=0,
         description="Disaggregate when at least this many prompt tokens are not cached on the "
-        "chosen decode pod; 0 (the default, as upstream) never disaggregates.",
+        "chosen decode pod (default 1024, from benchmarks.pd; 0 never disaggregates, which is "
+        "upstream's default).",
     )
     promptTokens: int = Field(
         default=0,

@@ -543,20 +543,26 @@ async def test_no_decode_capable_pod_is_all_filtered() -> None:
     assert r.set_headers == {}
 
 
-@pytest.mark.parametrize(
-    "decider",
-    [
-        pytest.param("nonCachedTokens: 0", id="explicit-0"),
-        pytest.param("promptTokens: 0", id="default"),  # nonCachedTokens left out
-    ],
-)
-async def test_non_cached_tokens_zero_never_disaggregates(decider: str) -> None:
-    scheduler = build(pd_config(decider=decider))
+async def test_non_cached_tokens_zero_never_disaggregates() -> None:
+    scheduler = build(pd_config(decider="nonCachedTokens: 0"))
     r = request(prompt="w" * 40_000)  # 10,000 tokens, none cached
     result = await scheduler.schedule(r, FLEET)
     assert addresses(result) == {"decode": [DECODE.address]}
     assert r.set_headers[PREFILLER_HEADER] is None
     assert r.data[DISAGG_DECISION] == decision("decode-only")
+
+
+@pytest.mark.parametrize(("chars", "prefill_runs"), [(4092, False), (4096, True)])
+async def test_the_default_threshold_is_1024_uncached_tokens(
+    chars: int, prefill_runs: bool
+) -> None:
+    # Upstream's default (0) never disaggregates; ours comes from benchmarks.pd
+    # (docs/disaggregation.md): 1,023 uncached tokens stay on the decode pod, 1,024 do not.
+    scheduler = build(pd_config(decider="promptTokens: 0"))
+    r = request(prompt="w" * chars)
+    result = await scheduler.schedule(r, FLEET)
+    assert ("prefill" in result.profiles) is prefill_runs
+    assert r.data[DISAGG_DECISION] == decision("prefill-decode" if prefill_runs else "decode-only")
 
 
 @pytest.mark.parametrize(
