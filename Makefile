@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # (a whole stack of processes) starts once.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
-.PHONY: install test test-all lint typecheck unit unit-all vllm-env demo bench clean
+.PHONY: install test test-all lint typecheck unit unit-all vllm-env demo demo-pd bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ test-all: lint typecheck unit-all
 # configuration and with round-robin; prints the comparison (about a minute and a half).
 demo: install
 	$(PY) -m launcher.demo $(DEMO_ARGS)
+
+demo-pd: install
+	$(PY) -m launcher.demo --pd $(DEMO_ARGS)
 
 bench: install
 	$(PY) -m benchmarks.indexer

@@ -38,6 +38,7 @@ from benchmarks import workloads
 from benchmarks.replay import FleetSpec, PolicySummary, Replay, percentile
 from benchmarks.reports import command_line, write_json, write_markdown
 from benchmarks.workloads import Workload
+from launcher import configs
 from simulator.profiles import ProfileError, get_profile
 
 WORKLOADS = ("long-prompt", "multi-turn")
@@ -45,34 +46,9 @@ DEFAULT_THRESHOLDS = (16, 256, 1024, 4096)
 
 
 def pd_config(threshold: int | None) -> str:
-    """The P/D configuration; ``threshold`` None uses ``always-disagg-pd-decider``."""
-    decider = (
-        "- type: always-disagg-pd-decider\n  name: decider\n"
-        if threshold is None
-        else "- type: prefix-based-pd-decider\n  name: decider\n"
-        f"  parameters:\n    nonCachedTokens: {threshold}\n"
-    )
-    profile = """\
-  plugins:
-  - pluginRef: {filter}
-  - pluginRef: max-score-picker
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-"""
-    return (
-        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
-        "- type: precise-prefix-cache-scorer\n  parameters:\n    blockSize: 16\n"
-        "- type: queue-scorer\n- type: prefill-filter\n- type: decode-filter\n"
-        "- type: max-score-picker\n"
-        "- type: disagg-profile-handler\n  parameters:\n    deciders:\n      prefill: decider\n"
-        + decider
-        + "schedulingProfiles:\n- name: prefill\n"
-        + profile.format(filter="prefill-filter")
-        + "- name: decode\n"
-        + profile.format(filter="decode-filter")
-    )
+    """The compared configuration (`launcher.configs.pd_config`) for token-id prompts in
+    16-token blocks; ``threshold`` None always disaggregates."""
+    return configs.pd_config(threshold, {"blockSize": 16})
 
 
 @dataclass(slots=True, frozen=True)

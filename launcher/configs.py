@@ -49,3 +49,53 @@ def shared_store_config(tokenizer_dir: Path, address: str, namespace: str, lease
             "redisConfig": {"address": address, "namespace": namespace, "leaseSeconds": lease_s}
         },
     )
+
+
+def pd_config(threshold: int | None, prefix_parameters: Mapping[str, Any]) -> str:
+    """llm-d-router's ``pd-epp-config.yaml`` shape (a ``prefill`` and a ``decode`` profile:
+    role filter, prefix scorer 2, queue scorer 1, under ``disagg-profile-handler``) with the
+    precise prefix scorer (``prefix_parameters``), so the decider sees what each decode pod
+    holds.  ``threshold`` is ``prefix-based-pd-decider``'s ``nonCachedTokens``; None uses
+    ``always-disagg-pd-decider``."""
+    decider: dict[str, Any] = (
+        {"type": "always-disagg-pd-decider", "name": "decider"}
+        if threshold is None
+        else {
+            "type": "prefix-based-pd-decider",
+            "name": "decider",
+            "parameters": {"nonCachedTokens": threshold},
+        }
+    )
+
+    def profile(name: str, role_filter: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "plugins": [
+                {"pluginRef": role_filter},
+                {"pluginRef": "max-score-picker"},
+                {"pluginRef": "precise-prefix-cache-scorer", "weight": 2},
+                {"pluginRef": "queue-scorer", "weight": 1},
+            ],
+        }
+
+    document = {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": "precise-prefix-cache-scorer", "parameters": dict(prefix_parameters)},
+            {"type": "queue-scorer"},
+            {"type": "prefill-filter"},
+            {"type": "decode-filter"},
+            {"type": "max-score-picker"},
+            {
+                "type": "disagg-profile-handler",
+                "parameters": {"deciders": {"prefill": "decider"}},
+            },
+            decider,
+        ],
+        "schedulingProfiles": [
+            profile("prefill", "prefill-filter"),
+            profile("decode", "decode-filter"),
+        ],
+    }
+    return yaml.safe_dump(document, sort_keys=False)

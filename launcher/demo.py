@@ -37,7 +37,9 @@ import yaml
 
 from epp.config import DEFAULT_CONFIG_YAML
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
+from launcher import configs
 from launcher.stack import Stack
+from scorers.disagg import DEFAULT_NON_CACHED_TOKENS
 from launcher.traffic import sentence
 
 MODEL = "demo-llama3-8b"
@@ -297,6 +299,11 @@ def start_stack(
         "--capacity-blocks",
         str(args.capacity_blocks),
     ]
+    roles: list[str | None] = []
+    if args.pd:
+        prefill = max(1, args.pods // 4)
+        roles = [*(["prefill"] * prefill), *(["decode"] * (args.pods - prefill))]
+        print(f"P/D fleet: {prefill} prefill pod(s), {args.pods - prefill} decode pods")
     return Stack.start(
         work_dir,
         tokenizer_dir,
@@ -306,11 +313,21 @@ def start_stack(
         epp_log_level=args.epp_log_level,
         config=first_config,
         envoy_options={"log_level": "warning"},
+        roles=roles,
     )
 
 
 def configurations(args: argparse.Namespace, tokenizer_dir: Path) -> list[tuple[str, str]]:
     """(name, configuration) compared, in order."""
+    if args.pd:
+        prefix = {"tokenizer": str(tokenizer_dir)}
+        return [
+            (
+                f"P/D (nonCachedTokens {DEFAULT_NON_CACHED_TOKENS})",
+                configs.pd_config(DEFAULT_NON_CACHED_TOKENS, prefix),
+            ),
+            ("decode pods only (no P/D)", configs.pd_config(0, prefix)),
+        ]
     if args.config:
         first = (Path(args.config).name, Path(args.config).read_text())
     else:
@@ -387,8 +404,9 @@ def print_table(results: list[ConfigResult]) -> None:
         ratio = results[1].ttft_p90 / results[0].ttft_p90
         direction = "lower" if ratio >= 1 else "HIGHER"
         print(
-            f"\nWith the default configuration, TTFT p90 is {ratio:.1f}x {direction} than "
-            f"round-robin; engine hit rate {results[0].hit_rate:.0%} vs {results[1].hit_rate:.0%}."
+            f"\nWith {results[0].name}, TTFT p90 is {ratio:.1f}x {direction} than with "
+            f"{results[1].name}; engine hit rate {results[0].hit_rate:.0%} vs "
+            f"{results[1].hit_rate:.0%}."
         )
 
 
@@ -418,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--config", help="EndpointPickerConfig to compare with round-robin instead of the default"
+    )
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="a P/D fleet (a quarter of the pods prefill, the rest decode behind routing "
+        "sidecars): llm-d-router's disaggregation with the default decider against decode "
+        "pods alone (`make demo-pd`)",
     )
     parser.add_argument("--workdir", help="keep logs and configs here instead of a temp dir")
     parser.add_argument(

@@ -26,3 +26,21 @@ def test_default_configuration_beats_round_robin_on_engine_hit_rate(
     assert routed.hit_rate > round_robin.hit_rate, (routed, round_robin)
     print_table(results)
     assert "prefix-cache hit rate (engine)" in capsys.readouterr().out
+
+
+def test_the_pd_demo_disaggregates_on_a_prefill_pod_and_decodes_behind_sidecars(
+    tmp_path: Path,
+) -> None:
+    args = build_parser().parse_args(
+        ["--pd", "--pods", "3", "--sessions", "6", "--concurrency", "3", "--speedup", "4"]
+    )
+    pd, decode_only = run_demo(args, tmp_path)
+    assert pd.errors == 0 and decode_only.errors == 0
+    assert pd.requests == decode_only.requests > 10
+    # pod-0 is the prefill pod: it computes the prompts P/D moves (at least each session's
+    # first turn, whose 2,000-token system prompt no decode pod holds yet), and nothing when
+    # the decode pods serve alone.
+    assert pd.per_pod["pod-0"] >= 1
+    assert decode_only.per_pod["pod-0"] == 0
+    # Every request is answered by a decode pod either way.
+    assert sum(n for pod, n in pd.per_pod.items() if pod != "pod-0") == pd.requests
