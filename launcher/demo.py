@@ -39,8 +39,8 @@ from epp.config import DEFAULT_CONFIG_YAML
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from launcher import configs
 from launcher.stack import Stack
-from scorers.disagg import DEFAULT_NON_CACHED_TOKENS
 from launcher.traffic import sentence
+from scorers.disagg import DEFAULT_NON_CACHED_TOKENS
 
 MODEL = "demo-llama3-8b"
 
