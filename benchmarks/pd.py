@@ -230,10 +230,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _rate_for(kind: str, load: float, fleet: FleetSpec, duration: float, seed: int) -> float:
     """Requests/s at which cache-less prefill keeps the fleet busy ``load`` of the time."""
-    probe = make_workload(kind, 1.0, duration, seed)
+    probe = make_workload(kind, 10.0, max(duration, 60.0), seed)
+    if not probe.requests:
+        raise ValueError(f"the {kind} workload generated no request to size the load by")
     work = sum(fleet.profile.prefill_time(r.input_length) for r in probe.requests)
-    per_request = work / max(1, len(probe.requests))
-    return load * fleet.pods / per_request
+    return load * fleet.pods * len(probe.requests) / work
+
+
+def check_fits(workload: Workload, fleet: FleetSpec) -> None:
+    """Every request fits one pod's KV cache (else the engine would refuse it mid-run)."""
+    longest = max((r.input_length + r.output_length for r in workload.requests), default=0)
+    if longest > fleet.capacity:
+        raise ValueError(
+            f"the {workload.name} workload has a request of {longest:,} tokens, more than a "
+            f"{fleet.profile.name} pod's {fleet.capacity:,} tokens of KV; use a larger profile"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -259,12 +270,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"benchmarks.pd: {exc}", file=sys.stderr)
         return 2
     built: dict[tuple[str, float], tuple[Workload, list[Any]]] = {}
-    for kind in kinds:
-        for load in loads:
-            rate = _rate_for(kind, load, fleet, args.duration, args.seed)
-            workload = make_workload(kind, rate, args.duration, args.seed)
-            keys = workloads.block_keys(workload.requests, fleet.block_size)
-            built[(kind, load)] = (workload, keys)
+    try:
+        for kind in kinds:
+            for load in loads:
+                rate = _rate_for(kind, load, fleet, args.duration, args.seed)
+                workload = make_workload(kind, rate, args.duration, args.seed)
+                check_fits(workload, fleet)
+                keys = workloads.block_keys(workload.requests, fleet.block_size)
+                built[(kind, load)] = (workload, keys)
+    except ValueError as exc:
+        print(f"benchmarks.pd: {exc}", file=sys.stderr)
+        return 2
     _STATE.update(workloads=built, fleet=fleet)
     if args.jobs > 1:
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:

@@ -78,6 +78,9 @@ class Engine:
         # Requests whose prompt KV is being pulled from a prefill pod, oldest first.
         self._receiving: list[RequestState] = []
         self._link_free_at = 0.0  # when the pod's KV link finishes the pulls queued on it
+        # The last step found nothing to run while pulls were in flight: idle until one lands
+        # or work arrives (not before: the queue is blocked on the blocks pulls hold).
+        self._stalled = False
         self._inflight: _Step | None = None
         self._free_at = 0.0  # when the engine can start its next step
         self._now = 0.0
@@ -172,8 +175,7 @@ class Engine:
         )
         request.remote_prefill = remote_prefill
         self._next_uid += 1
-        if self._inflight is None and not self._running and not self._waiting:
-            self._free_at = max(self._free_at, now)
+        self._wake(now)
         self._requests[req_id] = request
         self._waiting.append(request)
 
@@ -208,10 +210,11 @@ class Engine:
             self._waiting.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._receiving.remove(request)
-            self._pool.free_blocks(request)
         elif request.status is RequestStatus.RUNNING:
             self._running.remove(request)
-            self._pool.free_blocks(request)
+        # A waiting request holds blocks too once its KV pull landed.
+        self._pool.free_blocks(request)
+        self._wake(now)
         request.status = RequestStatus.ABORTED
         return self._stats(request, now, "abort")
 
@@ -223,7 +226,7 @@ class Engine:
         start of the next step if one is due, or None when the engine is idle."""
         if self._inflight is not None:
             return self._inflight.end
-        if self._running or self._waiting:
+        if (self._running or self._waiting) and not self._stalled:
             return self._free_at
         if self._receiving:
             return max(self._free_at, self._receiving[0].remote_ready_at or 0.0)
@@ -354,7 +357,7 @@ class Engine:
         if not scheduled:
             if self._receiving and not running:
                 # Everything waits on pulls (or on the blocks they hold): idle until one lands.
-                self._free_at = max(start, self._receiving[0].remote_ready_at or start)
+                self._stalled = True
                 return None
             if running or self._waiting:
                 raise EngineError(
@@ -362,7 +365,16 @@ class Engine:
                     "cache should have been rejected at add_request)"
                 )
             return None
+        self._stalled = False
         return _Step(start, start + self._step_duration(scheduled), scheduled)
+
+    def _wake(self, now: float) -> None:
+        """Work arrived or blocks were freed at ``now``: an idle or stalled engine can start a
+        step then (not earlier)."""
+        idle = not self._running and not self._waiting
+        if self._inflight is None and (idle or self._stalled):
+            self._free_at = max(self._free_at, now)
+        self._stalled = False
 
     def _start_pull(self, request: RequestState, now: float) -> bool:
         """Admit a remote-prefill request: blocks for its whole prompt, the local prefix hit

@@ -91,7 +91,7 @@ class KVTransferSide:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(range(1, prompt_tokens // block_size + 2)),
+            "remote_block_ids": list(range(1, -(-prompt_tokens // block_size) + 1)),
             "remote_engine_id": self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.host,
