@@ -278,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("config_file")
+    c.add_argument(
+        "--allow-experimental-plugins",
+        action="store_true",
+        help="accept the plugins llm-d-router marks Alpha, as `serve` with the same flag",
+    )
     kv_client.add_parser(sub)
     return parser
 
@@ -287,10 +292,12 @@ def _options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
 
 
-def check_config(path: str) -> int:
+def check_config(path: str, allow_experimental_plugins: bool = False) -> int:
     config = load_config(path)
     context = PluginContext(endpoints=_NoEndpoints())
-    scheduler = build_scheduler(config, context)
+    scheduler = build_scheduler(
+        config, context, allow_experimental_plugins=allow_experimental_plugins
+    )
     profiles = ", ".join(scheduler.profile_names)
     print(f"{path}: OK ({len(scheduler.plugins)} plugins; profiles: {profiles})")
     return 0
@@ -313,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "check-config":
-            return check_config(args.config_file)
+            return check_config(args.config_file, args.allow_experimental_plugins)
         if args.command == "kv":
             return kv_client.run(args)
         for line in notes(args):

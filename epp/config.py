@@ -570,15 +570,23 @@ def build_scheduler(
     *,
     on_plugin_duration: PluginDurationHook | None = None,
     prepare_timeout: float | None = None,
+    allow_experimental_plugins: bool = False,
 ) -> Scheduler:
     """Instantiate every declared plugin (``scorers.base.create_plugin``) and assemble the
-    profiles.  Accepts a config straight from `load_config` or built in code (it is completed
+    profiles; Alpha plugins only with ``allow_experimental_plugins``.  Accepts a config straight from `load_config` or built in code (it is completed
     and checked again).  Raises `ConfigError`."""
     config = resolve_config(config)
     source = "<config>"
     instances: dict[str, Plugin[Any]] = {}
     problems: list[str] = []
     for index, spec in enumerate(config.plugins):
+        if plugin_class(spec.type).experimental and not allow_experimental_plugins:
+            problems.append(
+                f"plugins[{index}]: plugin {spec.name!r} (type: {spec.type!r}) is Alpha "
+                "(experimental) in llm-d-router; start the EPP with --allow-experimental-plugins "
+                "to use it"
+            )
+            continue
         try:
             instances[spec.name] = create_plugin(spec.type, spec.name, spec.parameters, context)
         except PluginConfigError as exc:

@@ -100,6 +100,7 @@ class ServerOptions:
     disable_endpoint_subset_filter: bool | None = None
     endpoint_selector: str | None = None
     endpoint_target_ports: str | None = None
+    allow_experimental_plugins: bool | None = None
 
 
 class EndpointPicker:
@@ -123,7 +124,10 @@ class EndpointPicker:
             Path(options.config_file) if options.config_file else None, text=options.config_text
         )
         self.scheduler: Scheduler = build_scheduler(
-            config, self.context, on_plugin_duration=self.telemetry.observe_plugin
+            config,
+            self.context,
+            on_plugin_duration=self.telemetry.observe_plugin,
+            allow_experimental_plugins=bool(options.allow_experimental_plugins),
         )
         self.admission = AdmissionController(
             AdmissionSettings(

@@ -24,7 +24,9 @@ something this EPP does not do); none is dropped silently:
 ``--refresh-prometheus-metrics-interval``     accepted: pool gauges are computed at each scrape
 ``--metrics-staleness-threshold``             accepted: this EPP ages metrics per endpoint
                                               (``--saturation-staleness``); logged when set
-``--allow-experimental-plugins``              accepted: no plugin here is gated as Alpha
+``--allow-experimental-plugins``              allows the plugins llm-d-router marks Alpha
+                                              (the ``topology-*`` ones); without it they
+                                              are a configuration error, as upstream
 ============================================  ===============================================
 
 The Inference Extension's image runs the EPP binary with these flags and no subcommand:
@@ -82,7 +84,10 @@ def add_flags(parser: argparse.ArgumentParser, boolean: Callable[[str], bool]) -
     g.add_argument(
         "--metrics-staleness-threshold", help="accepted: see --saturation-staleness (logged)"
     )
-    flag("--allow-experimental-plugins", "accepted: no plugin is gated as Alpha here")
+    flag(
+        "--allow-experimental-plugins",
+        "allow the plugins llm-d-router marks Alpha (topology-*); refused without it",
+    )
 
 
 def log_level(args: argparse.Namespace) -> str:

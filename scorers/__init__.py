@@ -17,6 +17,7 @@ from scorers import (
     profiles,
     ray_prefix_affinity,
     sglang_cache_aware,
+    topology,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "profiles",
     "ray_prefix_affinity",
     "sglang_cache_aware",
+    "topology",
 ]

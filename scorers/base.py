@@ -325,6 +325,8 @@ class Plugin(Generic[ParamsT]):
 
     type_name: ClassVar[str] = ""
     Parameters: ClassVar[type[BaseModel]] = NoParameters
+    # Alpha in llm-d-router: the EPP refuses it unless started with --allow-experimental-plugins.
+    experimental: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -63,6 +63,11 @@ DATA_PARALLEL_HEADER: Final = "x-data-parallel-host-port"
 DISAGG_DECISION: Final = "disagg.decision"
 """``request.data`` key of the request's `DisaggDecision` (counted by the EPP's metrics)."""
 
+PEER_ENDPOINT: Final = "disagg.peer_endpoint"
+"""``request.data`` key of the `Endpoint` the stage being scheduled works with (the chosen decode
+pod, while the prefill profile runs; the prefill pod, while decode runs after it with
+``stageOrder: prefill-first``): what topology plugins measure proximity to."""
+
 DecisionType = Literal["decode-only", "prefill-decode", "encode-decode", "encode-prefill-decode"]
 
 MULTIMODAL_PART_TYPES: Final = frozenset({"image_url", "video_url", "input_audio", "audio_url"})
@@ -362,6 +367,8 @@ class DisaggProfileHandler(Plugin[DisaggParameters]):
             if profile not in profiles or profile in results or decider is None:
                 continue
             if decider.disaggregate(request, decode):
+                if stage == "prefill":
+                    request.data[PEER_ENDPOINT] = decode
                 return [profile]
         return []
 
@@ -381,6 +388,9 @@ class DisaggProfileHandler(Plugin[DisaggParameters]):
             and encoder.disaggregate(request, None)
         ):
             return [names.encode]
+        prefill = _first(results, names.prefill)
+        if prefill is not None:
+            request.data[PEER_ENDPOINT] = prefill
         return [names.decode]
 
     def process_results(self, request: LLMRequest, results: Results) -> SchedulingResult:
