@@ -77,10 +77,10 @@ UPSTREAM_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
 
 DEFAULT_NON_CACHED_TOKENS: Final = 1024
 """``prefix-based-pd-decider``'s default threshold.  llm-d-router's is 0, which never
-disaggregates; ``python -m benchmarks.pd`` (docs/disaggregation.md) found 1,024 the best of 16 to
-4,096 on multi-turn chat, where most turns then stay on the decode pod that holds the
-conversation and only long new prompts pay for the transfer; long unique prompts disaggregate
-at any of these thresholds."""
+disaggregates.  Over ``python -m benchmarks.pd``'s grid (docs/disaggregation.md), 1,024 has the
+smallest worst-case loss against the best threshold of each fleet and load: most chat turns stay
+on the decode pod holding their conversation, so prefill pods that are few or busy do not
+queue; a fleet whose prefill pods have room does better with a low threshold."""
 
 
 @dataclass(slots=True, frozen=True)
