@@ -27,7 +27,8 @@ Body-less requests (``GET /v1/models``) are cheap and are never queued or reject
 
 A *sheddable* request (its InferenceObjective's priority is negative, `epp.request_rules`) is
 never queued: with limits it is refused when every endpoint is full; without them it is refused
-when the pool is saturated by llm-d-router's utilization-detector rule (`pool_saturated`), with
+when the pool is saturated by llm-d-router's utilization-detector rule (the configured
+``utilization-detector``'s, else `pool_saturated` with its defaults), with
 429 ``rejected-saturated`` "system saturated, sheddable request dropped".
 """
 
@@ -138,9 +139,13 @@ class AdmissionController:
         settings: AdmissionSettings | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        saturation: Callable[[Sequence[Endpoint]], float] | None = None,
     ) -> None:
         self.settings = settings or AdmissionSettings()
         self._clock = clock
+        # The configured saturation detector's measure (``utilization-detector``), else the
+        # built-in rule with its defaults (`pool_saturated`).
+        self._saturation = saturation
         self._queue: collections.deque[asyncio.Event] = collections.deque()
         self._reserved = 0  # admitted, not yet scheduled
         # Counters for telemetry (read them, do not write them).
@@ -170,6 +175,11 @@ class AdmissionController:
                 open_.append(ep)
         return open_ if room > self._reserved else []
 
+    def _saturated(self, candidates: Sequence[Endpoint]) -> bool:
+        if self._saturation is None:
+            return pool_saturated(candidates)
+        return self._saturation(candidates) >= 1.0
+
     async def admit(
         self, candidates: Callable[[], list[Endpoint]], *, sheddable: bool = False
     ) -> list[Endpoint]:
@@ -180,7 +190,7 @@ class AdmissionController:
         settings = self.settings
         if settings.max_in_flight_per_endpoint is None:
             current = candidates()
-            if sheddable and pool_saturated(current):
+            if sheddable and self._saturated(current):
                 return self._reject(
                     REJECTED_SATURATED, "system saturated, sheddable request dropped"
                 )

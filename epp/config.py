@@ -27,10 +27,9 @@ Defaults, as in the Inference Extension:
 
 Strictness: a wrong file fails at start-up with one `ConfigError` listing every problem as
 ``<path of the field>: <what is wrong and what was expected>``; YAML syntax errors and duplicate
-keys give the line and column.  Tolerated and ignored with a warning (Inference Extension and
-llm-d features whose job this EPP does natively or does not offer): the top-level keys in
-`IGNORED_TOP_LEVEL_KEYS` and the plugin types in `IGNORED_PLUGIN_TYPES`.  Any other unknown key
-is an error.
+keys give the line and column.  Every unknown key or plugin type is an error; the keys of
+llm-d-router's ``flowControl`` section that configure its queueing are logged as not applied
+(the ``flowControl`` feature gate is off here, and upstream ignores them too then).
 
 Like the Inference Extension, the file is read once at start; changing it needs a restart.
 """
@@ -48,13 +47,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 import scorers  # noqa: F401  (registers the built-in plugin types)
 from epp.config_sections import (
     DataLayerSpec,
+    FlowControlSpec,
     PluginRef,
     RequestHandlerSpec,
+    SaturationDetectorSpec,
     data_layer_problems,
     feature_gates,
     parser_types,
     producer_problems,
+    saturation_detector,
     with_decider_producer,
+    with_inline_detector,
     with_prefix_producer,
     with_token_producer,
 )
@@ -79,14 +82,6 @@ DEFAULT_PROFILE: Final = "default"
 DEFAULT_PICKER: Final = "max-score-picker"
 DEFAULT_PROFILE_HANDLER: Final = "single-profile-handler"
 
-IGNORED_TOP_LEVEL_KEYS: Final[Mapping[str, str]] = {
-    "saturationDetector": (
-        "its thresholds are not configurable here: sheddable requests are dropped on the "
-        "utilization detector's defaults (queue 5, KV 0.8)"
-    ),
-    "flowControl": "flow control (request queueing) is not implemented",
-}
-"""Top-level keys the Inference Extension / llm-d define that this EPP accepts and ignores."""
 
 DEFAULT_CONFIG_YAML: Final = """\
 # kv-epp's default: route each request where its first token comes soonest, counting what the
@@ -201,6 +196,14 @@ class EndpointPickerConfig(_Strict):
     dataLayer: DataLayerSpec | None = None
     requestHandler: RequestHandlerSpec | None = None
     parser: PluginRef | None = None  # deprecated upstream: requestHandler.parsers
+    flowControl: FlowControlSpec | None = None
+    saturationDetector: SaturationDetectorSpec | None = None  # deprecated: flowControl's
+
+    @property
+    def saturation_detector(self) -> str | None:
+        """The name of the plugin that says when sheddable requests are dropped, if named."""
+        types = {spec.name: spec.type for spec in self.plugins}
+        return saturation_detector(self.flowControl, self.saturationDetector, types)[0]
 
     @property
     def parser_types(self) -> tuple[str, ...]:
@@ -253,11 +256,6 @@ def parse_config(text: str, source: str = "<config text>") -> EndpointPickerConf
                 f"schedulingProfiles), not a {type(data).__name__}"
             ],
         )
-    for key in [k for k in data if k in IGNORED_TOP_LEVEL_KEYS]:
-        logger.warning(
-            "%s: ignoring top-level key %r: %s", source, key, IGNORED_TOP_LEVEL_KEYS[key]
-        )
-        del data[key]
     try:
         config = EndpointPickerConfig.model_validate(data)
     except ValidationError as exc:
@@ -390,8 +388,9 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     first_index: dict[str, int] = {}
     bad_handlers: list[str] = []
 
+    with_detector, detector = with_inline_detector(config.plugins, config.saturationDetector)
     specs_in = with_prefix_producer(
-        with_decider_producer(with_token_producer(config.plugins, source))
+        with_decider_producer(with_token_producer(with_detector, source))
     )
     for index, spec in enumerate(specs_in):
         where = f"plugins[{index}]"
@@ -529,12 +528,13 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
                 f"{handlers[0]!r} ({classes[handlers[0]].type_name}) runs at most {limit}"
             )
 
-    types = {spec.name: spec.type for spec in config.plugins}
+    types = {spec.name: spec.type for spec in with_detector}
     problems += feature_gates(config.featureGates)[1]
     if config.dataLayer is not None:
         problems += data_layer_problems(config.dataLayer, types)
     problems += parser_types(config.requestHandler, config.parser, types)[1]
     problems += producer_problems(specs_in, types)
+    problems += saturation_detector(config.flowControl, detector, types, source)[1]
     if problems:
         raise ConfigError(source, problems)
     return EndpointPickerConfig(
@@ -546,6 +546,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         dataLayer=config.dataLayer,
         requestHandler=config.requestHandler,
         parser=config.parser,
+        flowControl=config.flowControl,
+        saturationDetector=detector,
     )
 
 
@@ -642,7 +644,6 @@ def build_scheduler(
 __all__ = [
     "API_VERSIONS",
     "DEFAULT_CONFIG_YAML",
-    "IGNORED_TOP_LEVEL_KEYS",
     "ConfigError",
     "EndpointPickerConfig",
     "PluginSpec",

@@ -14,6 +14,9 @@ the references between plugins its split prefix pipeline uses.
 * ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
   ``passthrough-parser``, each declared); default all three, as llm-d-router's default list
   (less its ``vllmhttp-parser``, not offered).
+* ``flowControl.saturationDetector`` (or the deprecated top-level ``saturationDetector``) names
+  the ``utilization-detector`` that decides when sheddable requests are dropped; the section's
+  queueing keys are logged as not applied (the ``flowControl`` gate is off), as upstream.
 * ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared prefix
   producer (precise or ``approx-prefix-cache-producer``); a ``prefix-cache-scorer`` naming none
   reads the one approximate producer declared, if any; a ``token-producer``'s ``modelName``
@@ -95,6 +98,106 @@ def feature_gates(gates: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
             "--max-in-flight-per-endpoint and --admission-mode); remove the gate"
         )
     return values, problems
+
+
+class FlowControlSpec(_Strict):
+    """llm-d-router's ``flowControl`` section.  Only ``saturationDetector`` applies here: the
+    queueing layer the other keys configure is not implemented, and upstream too ignores them
+    (with a warning) while the ``flowControl`` feature gate is off, which it must be here."""
+
+    saturationDetector: PluginRef | None = None
+    usageLimitPolicyPluginRef: str | None = None
+    maxBytes: Any = None
+    maxRequests: Any = None
+    defaultRequestTTL: Any = None
+    noEndpointRequestTTL: Any = None
+    defaultPriorityBand: Any = None
+    defaultNegativePriorityBand: Any = None
+    priorityBands: Any = None
+    enableEviction: Any = None
+
+
+SATURATION_DETECTOR_TYPES: Final = ("utilization-detector",)
+
+
+class SaturationDetectorSpec(_Strict):
+    """The top-level ``saturationDetector``: a ``pluginRef`` (the Inference Extension v1.5 and
+    llm-d-router, deprecated there for ``flowControl.saturationDetector``), or the utilization
+    detector's thresholds inline (the Inference Extension v1.2 to v1.4)."""
+
+    pluginRef: str | None = None
+    queueDepthThreshold: int | None = None
+    kvCacheUtilThreshold: float | None = None
+    metricsStalenessThreshold: str | None = None
+
+    def inline(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(exclude={"pluginRef"}).items() if v is not None}
+
+
+def with_inline_detector(
+    plugins: Sequence[Any], spec: SaturationDetectorSpec | None
+) -> tuple[list[Any], SaturationDetectorSpec | None]:
+    """A top-level ``saturationDetector`` with thresholds becomes a declared
+    ``utilization-detector`` with them as parameters, and the section a reference to it."""
+    if spec is None or not spec.inline():
+        return list(plugins), spec
+    if spec.pluginRef is not None:
+        return list(plugins), spec  # both forms: reported by saturation_detector
+    names = {p.name for p in plugins}
+    name, suffix = "utilization-detector", 2
+    while name in names:
+        name, suffix = f"utilization-detector-{suffix}", suffix + 1
+    spec_type = type(plugins[0]) if plugins else None
+    if spec_type is None:
+        from epp.config import PluginSpec  # the plugin spec model lives with the document
+
+        spec_type = PluginSpec
+    detector = spec_type(name=name, type="utilization-detector", parameters=spec.inline())
+    return [*plugins, detector], SaturationDetectorSpec(pluginRef=name)
+
+
+def saturation_detector(
+    flow_control: FlowControlSpec | None,
+    deprecated: SaturationDetectorSpec | None,
+    types: Mapping[str, str],
+    source: str = "<config>",
+) -> tuple[str | None, list[str]]:
+    """The detector plugin the configuration names (``flowControl.saturationDetector``, else
+    the deprecated top-level ``saturationDetector``), and the problems of these sections."""
+    problems: list[str] = []
+    ref, where = None, ""
+    if flow_control is not None:
+        unused = sorted(
+            k for k, v in flow_control.model_dump(exclude={"saturationDetector"}).items() if v
+        )
+        if unused:
+            logger.warning(
+                "%s: flowControl.%s: not applied: the flowControl feature gate is off (flow "
+                "control is not implemented here), as llm-d-router ignores them then",
+                source,
+                ", flowControl.".join(unused),
+            )
+        if flow_control.saturationDetector is not None:
+            ref, where = flow_control.saturationDetector.pluginRef, "flowControl.saturationDetector"
+    if deprecated is not None and deprecated.pluginRef is not None and deprecated.inline():
+        problems.append(
+            "saturationDetector: give pluginRef or the thresholds ("
+            + ", ".join(deprecated.inline())
+            + "), not both"
+        )
+    if ref is None and deprecated is not None:
+        ref, where = deprecated.pluginRef, "saturationDetector"
+    if ref is None:
+        return None, problems
+    kind = types.get(ref)
+    if kind is None:
+        problems.append(f"{where}.pluginRef: {ref!r} is not a declared plugin")
+    elif kind not in SATURATION_DETECTOR_TYPES:
+        problems.append(
+            f"{where}.pluginRef: {ref!r} ({kind}) is not a saturation detector; detectors: "
+            f"{', '.join(SATURATION_DETECTOR_TYPES)}"
+        )
+    return ref, problems
 
 
 def data_layer_problems(spec: DataLayerSpec, types: Mapping[str, str]) -> list[str]:

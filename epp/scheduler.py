@@ -1,7 +1,8 @@
 """The scheduler: composes configured plugins into one decision per request.
 
     schedule(request, candidates)
-      1. every DataProducer's ``prepare`` (concurrently; tokenizing, prefix lookups)
+      1. every DataProducer's ``prepare`` (concurrently; tokenizing, prefix lookups), then
+         every Admitter (the first to refuse drops the request with 429)
       2. the profile handler picks profiles until it returns none; each profile runs
          filters (in order) → scorers (clamped to [0, 1], × weight, summed) → picker
       3. the profile handler's ``process_results`` → `SchedulingResult`
@@ -27,6 +28,8 @@ from time import perf_counter
 from typing import Any, Final, Protocol, TypeVar
 
 from scorers.base import (
+    AdmissionDeniedError,
+    Admitter,
     AllEndpointsFilteredError,
     DataProducer,
     Endpoint,
@@ -51,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 # Extension point names, as in the Inference Extension's plugin duration metric.
 DATA_PRODUCER: Final = "DataProducer"
+ADMISSION: Final = "Admission"
 PROFILE_PICKER: Final = "ProfilePicker"
 FILTER: Final = "Filter"
 SCORER: Final = "Scorer"
@@ -198,6 +202,7 @@ class Scheduler:
                 everything.setdefault(id(plugin), plugin)
         self.plugins: tuple[object, ...] = tuple(everything.values())
         self.data_producers = tuple(p for p in self.plugins if isinstance(p, DataProducer))
+        self.admitters = tuple(p for p in self.plugins if isinstance(p, Admitter))
         self.pre_request_plugins = tuple(p for p in self.plugins if isinstance(p, PreRequest))
         self.response_complete_plugins = tuple(
             p for p in self.plugins if isinstance(p, ResponseComplete)
@@ -226,6 +231,7 @@ class Scheduler:
                 "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
             )
         await self.prepare(request, candidates)
+        self.run_admission(request, candidates)
         result = self.run_profiles(request, candidates)
         self.run_pre_request(request, result)
         return result
@@ -270,6 +276,16 @@ class Scheduler:
             )
         finally:
             self._record(DATA_PRODUCER, producer, perf_counter() - start)
+
+    def run_admission(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
+        """Every Admitter in configuration order; the first to refuse drops the request
+        (`AdmissionDeniedError`, 429)."""
+        for admitter in self.admitters:
+            start = perf_counter()
+            reason = admitter.admit(request, candidates)
+            self._record(ADMISSION, admitter, perf_counter() - start)
+            if reason is not None:
+                raise AdmissionDeniedError(reason)
 
     def run_profiles(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
         """The synchronous core (no producers, no PreRequest): profile handler loop, then

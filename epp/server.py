@@ -59,6 +59,7 @@ from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
 from scorers.base import PluginContext
+from scorers.saturation import UtilizationDetector
 
 logger = logging.getLogger(__name__)
 
@@ -129,13 +130,15 @@ class EndpointPicker:
             on_plugin_duration=self.telemetry.observe_plugin,
             allow_experimental_plugins=bool(options.allow_experimental_plugins),
         )
+        detector = self.scheduler.plugin(config.saturation_detector or "")
         self.admission = AdmissionController(
             AdmissionSettings(
                 max_in_flight_per_endpoint=options.max_in_flight_per_endpoint,
                 mode=options.admission_mode,
                 max_queued=options.max_queued_requests,
                 max_queue_wait=options.max_queue_wait,
-            )
+            ),
+            saturation=detector.saturation if isinstance(detector, UtilizationDetector) else None,
         )
         # llm-d-router's InferenceModelRewrites and InferenceObjectives, watched with the pool.
         self.rules = (

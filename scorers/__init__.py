@@ -16,6 +16,7 @@ from scorers import (
     prefix_approx,
     profiles,
     ray_prefix_affinity,
+    saturation,
     sglang_cache_aware,
     topology,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "prefix_approx",
     "profiles",
     "ray_prefix_affinity",
+    "saturation",
     "sglang_cache_aware",
     "topology",
 ]

@@ -61,6 +61,12 @@ class AllEndpointsFilteredError(SchedulingError):
     http_status = 429
 
 
+class AdmissionDeniedError(SchedulingError):
+    """An admission plugin dropped the request (a sheddable one, under saturation)."""
+
+    http_status = 429
+
+
 class PluginConfigError(ValueError):
     """A plugin's type or parameters are invalid; the message names the field path."""
 
@@ -400,6 +406,16 @@ class DataProducer(Protocol):
     name: str
 
     async def prepare(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> None: ...
+
+
+@runtime_checkable
+class Admitter(Protocol):
+    """Runs after the data producers, before scheduling: None admits the request, a string
+    says why it is dropped (llm-d-router's Admitter)."""
+
+    name: str
+
+    def admit(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None: ...
 
 
 @runtime_checkable

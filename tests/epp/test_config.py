@@ -270,19 +270,23 @@ def test_llm_d_style_config_with_old_names() -> None:
     ]
 
 
-def test_not_implemented_top_level_sections_are_ignored_with_a_warning(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with caplog.at_level(logging.WARNING):
-        config = load(
-            """
-            saturationDetector: {queueDepthThreshold: 5}
-            plugins:
-            - type: queue-scorer
-            """
-        )
+def test_an_inline_saturation_detector_becomes_a_utilization_detector() -> None:
+    # The Inference Extension v1.2-v1.4 wrote the detector's thresholds inline.
+    config = load(
+        """
+        saturationDetector: {queueDepthThreshold: 7, metricsStalenessThreshold: 500ms}
+        plugins:
+        - type: queue-scorer
+        """
+    )
     assert layout(config)["default"][0] == ("queue-scorer", 1.0)
-    assert "ignoring top-level key 'saturationDetector'" in caplog.text
+    assert config.saturation_detector == "utilization-detector"
+    (detector,) = [p for p in config.plugins if p.type == "utilization-detector"]
+    assert detector.parameters == {"queueDepthThreshold": 7, "metricsStalenessThreshold": "500ms"}
+    assert problems(
+        "saturationDetector: {pluginRef: d, kvCacheUtilThreshold: 0.9}\n"
+        "plugins: [{type: utilization-detector, name: d}, {type: queue-scorer}]"
+    ) == ("saturationDetector: give pluginRef or the thresholds (kvCacheUtilThreshold), not both",)
 
 
 def test_feature_gates_are_llm_d_routers() -> None:
@@ -616,7 +620,7 @@ def test_unknown_keys_are_rejected_with_what_is_allowed() -> None:
         "plugins[0].params: unknown key; expected one of: name, type, parameters",
         "schedulingProfiles[0].plugins[0].wieght: unknown key; expected one of: pluginRef, weight",
         "plugin: unknown key; expected one of: apiVersion, kind, plugins, schedulingProfiles, "
-        "featureGates, dataLayer, requestHandler, parser",
+        "featureGates, dataLayer, requestHandler, parser, flowControl, saturationDetector",
     )
 
 

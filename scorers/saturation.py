@@ -1,0 +1,142 @@
+"""Saturation and admission, as llm-d-router's ``utilization-detector`` and
+``probabilistic-admitter``.
+
+``utilization-detector`` measures how full the pool is: the mean over the candidate endpoints of
+``max(waiting / queueDepthThreshold, KV usage / kvCacheUtilThreshold)``, an endpoint whose
+metrics are older than ``metricsStalenessThreshold`` (or never scraped) counting as 1, and an
+empty pool as 1.  Named by ``flowControl.saturationDetector.pluginRef`` (or the deprecated
+top-level ``saturationDetector.pluginRef``), it decides when sheddable requests (negative
+InferenceObjective priority) are dropped: at 1 or more (`epp.admission`).  Without one, the same
+rule runs with its defaults.  Listed in a profile it is also a filter: it keeps the endpoints
+with fresh metrics under both thresholds (× ``1 + headroom``), or all of them when none is.
+
+``probabilistic-admitter`` drops sheddable requests before it is saturated: with the same mean
+``s`` (its own thresholds; metrics never scraped count as 1), with probability
+``min(s ** power × k, 1)``.  Requests with a priority of 0 or more always pass.  A dropped
+request is answered 429 with the admitter's reason (llm-d-router answers 500: its director wraps
+every admitter's denial as an internal error).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from scorers.base import Endpoint, LLMRequest, Plugin, register
+
+
+def utilization(
+    endpoints: Sequence[Endpoint],
+    queue_threshold: float,
+    kv_threshold: float,
+    staleness: float | None,
+) -> float:
+    """The detector's saturation of ``endpoints`` (module docstring); ``staleness`` None counts
+    only never-scraped endpoints as full."""
+    if not endpoints:
+        return 1.0
+    total = 0.0
+    for ep in endpoints:
+        stale = ep.metrics.updated_at is None or (
+            staleness is not None and ep.metrics_age > staleness
+        )
+        total += (
+            1.0
+            if stale
+            else max(
+                ep.metrics.waiting_requests / queue_threshold,
+                ep.metrics.kv_cache_usage / kv_threshold,
+            )
+        )
+    return total / len(endpoints)
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
+
+
+def parse_duration(text: str) -> float:
+    """A Go duration of one unit (``200ms``, ``1.5s``, ``2m``) in seconds."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration such as 200ms, 1s or 2m")
+    value, unit = float(match.group(1)), match.group(2)
+    return value * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
+
+
+class DetectorParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queueDepthThreshold: int = Field(default=5, gt=0, description="Waiting requests at 100 %.")
+    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0, le=1.0, description="KV use at 100 %.")
+    metricsStalenessThreshold: str = Field(
+        default="200ms", description="Older metrics count as saturated (a Go duration)."
+    )
+    headroom: float = Field(default=0.0, ge=0.0, description="The filter's slack over 100 %.")
+
+    @field_validator("metricsStalenessThreshold")
+    @classmethod
+    def _positive_duration(cls, value: str) -> str:
+        if not parse_duration(value) > 0:
+            raise ValueError(f"must be strictly positive, got {value!r}")
+        return value
+
+
+@register("utilization-detector")
+class UtilizationDetector(Plugin[DetectorParameters]):
+    """The pool's saturation (module docstring); also a filter of the endpoints under it."""
+
+    def __init__(self, name: str, params: BaseModel, context: Any) -> None:
+        super().__init__(name, params, context)
+        self.staleness = parse_duration(self.p.metricsStalenessThreshold)
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        p = self.p
+        return utilization(endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, self.staleness)
+
+    def filter(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        p = self.p
+        queue_limit = p.queueDepthThreshold * (1 + p.headroom)
+        kv_limit = p.kvCacheUtilThreshold * (1 + p.headroom)
+        kept = [
+            ep
+            for ep in endpoints
+            if ep.metrics.updated_at is not None
+            and ep.metrics_age <= self.staleness
+            and ep.metrics.waiting_requests < queue_limit
+            and ep.metrics.kv_cache_usage < kv_limit
+        ]
+        return kept or list(endpoints)
+
+
+class AdmitterParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queueDepthThreshold: int = Field(default=5, gt=0)
+    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0)
+    power: float = Field(default=5.0, gt=0.0)
+    k: float = Field(default=300.0, gt=0.0)
+
+
+@register("probabilistic-admitter")
+class ProbabilisticAdmitter(Plugin[AdmitterParameters]):
+    """Drops sheddable requests with a probability that rises steeply with saturation."""
+
+    def rejection_probability(self, endpoints: Sequence[Endpoint]) -> float:
+        p = self.p
+        saturation = utilization(endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, None)
+        return min(math.pow(saturation, p.power) * p.k, 1.0)
+
+    def admit(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None:
+        """None to admit, else why the request is dropped."""
+        if request.priority >= 0 or not endpoints:
+            return None
+        probability = self.rejection_probability(endpoints)
+        if self.context.rng.random() < probability:
+            return (
+                f"{self.name}: sheddable request dropped (rejection probability {probability:.2f})"
+            )
+        return None
