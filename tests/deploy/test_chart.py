@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "targetPorts": [8000, 8001],
             "modelName": "meta-llama/Llama-3.1-8B-Instruct",
         },
+        # Two data-parallel ranks: the replay ports (5657+) must not meet the events' (5557+).
+        "vllm": {"kvEventsReplayPort": 5657},
     },
     "monitoring": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
