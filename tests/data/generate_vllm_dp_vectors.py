@@ -166,7 +166,17 @@ class Rank:
             replay_endpoint=REPLAY_ENDPOINT,
             topic=TOPIC,
         )
-        self.publisher = EventPublisherFactory.create(config, data_parallel_rank=self.rank)
+        # vLLM's shutdown joins its publisher thread with a timeout: on a loaded machine the old
+        # sockets may close a moment later, so binding again is retried for a few seconds.
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                self.publisher = EventPublisherFactory.create(config, data_parallel_rank=self.rank)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         assert isinstance(self.publisher, ZmqEventPublisher)
 
     def step(self, phase: str, step: int) -> None:
