@@ -45,10 +45,23 @@ WORKLOADS = ("long-prompt", "multi-turn")
 DEFAULT_THRESHOLDS = (16, 256, 1024, 4096)
 
 
-def pd_config(threshold: int | None) -> str:
+def pd_config(threshold: int | None, decider_type: str = "prefix-based-pd-decider") -> str:
     """The compared configuration (`launcher.configs.pd_config`) for token-id prompts in
     16-token blocks; ``threshold`` None always disaggregates."""
-    return configs.pd_config(threshold, {"blockSize": 16})
+    return configs.pd_config(threshold, {"blockSize": 16}, decider_type)
+
+
+def parse_decider(text: str) -> tuple[int | None, str]:
+    """``always``, ``N`` (prefix-based-pd-decider's nonCachedTokens) or ``aware:N``
+    (load-aware-pd-decider's) → (threshold, decider type)."""
+    text = text.strip()
+    if text == "always":
+        return None, "always-disagg-pd-decider"
+    kind, _, number = text.rpartition(":")
+    types = {"": "prefix-based-pd-decider", "aware": "load-aware-pd-decider"}
+    if kind not in types or not number.isdigit():
+        raise ValueError(f"--thresholds {text!r}: expected always, N or aware:N")
+    return int(number), types[kind]
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,13 +71,16 @@ class Case:
     fleet: str  # "aggregated" or "<p>P<d>D"
     prefill_pods: int
     threshold: int | None  # None: always disaggregate (on a P/D fleet)
+    decider_type: str = "prefix-based-pd-decider"
 
     @property
     def label(self) -> str:
         if self.prefill_pods == 0:
             return "aggregated"
-        decider = "always" if self.threshold is None else f"nonCachedTokens={self.threshold}"
-        return f"{self.fleet} {decider}"
+        if self.threshold is None:
+            return f"{self.fleet} always"
+        aware = "load-aware " if self.decider_type == "load-aware-pd-decider" else ""
+        return f"{self.fleet} {aware}nonCachedTokens={self.threshold}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,7 +130,8 @@ def _run(case: Case) -> Row:
         kv_transfer_latency=base.kv_transfer_latency,
     )
     threshold = case.threshold if case.prefill_pods else 16
-    replay = Replay(workload, keys, fleet, pd_config(threshold), policy=case.label, record_itl=True)
+    config = pd_config(threshold, case.decider_type)
+    replay = Replay(workload, keys, fleet, config, policy=case.label, record_itl=True)
     result = asyncio.run(replay.run())
     summary = PolicySummary.of(result)
     itl = result.inter_token_latencies
@@ -141,7 +158,7 @@ def cases(
     loads: Sequence[float],
     pods: int,
     splits: Sequence[int],
-    thresholds: Sequence[int | None],
+    thresholds: Sequence[tuple[int | None, str]],
 ) -> list[Case]:
     out = []
     for kind in workload_kinds:
@@ -150,20 +167,20 @@ def cases(
             for p in splits:
                 if not 0 < p < pods:
                     raise ValueError(f"--prefill-pods {p}: needs 1 to {pods - 1} of {pods} pods")
-                for threshold in thresholds:
-                    out.append(Case(kind, load, f"{p}P{pods - p}D", p, threshold))
+                for threshold, decider in thresholds:
+                    out.append(Case(kind, load, f"{p}P{pods - p}D", p, threshold, decider))
     return out
 
 
 def format_table(rows: Sequence[Row]) -> str:
     header = (
-        f"{'workload':<12} {'load':>4} {'fleet':<10} {'decider':<22} {'disagg':>6} {'hit':>5} "
+        f"{'workload':<12} {'load':>4} {'fleet':<10} {'decider':<33} {'disagg':>6} {'hit':>5} "
         f"{'ttft p50':>9} {'p90':>7} {'p99':>7} {'itl p50':>8} {'p90':>7} {'p99':>7} {'tok/s':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.workload:<12} {r.load:>4.2g} {r.fleet:<10} {r.decider:<22} {r.disaggregated:>6.0%} "
+            f"{r.workload:<12} {r.load:>4.2g} {r.fleet:<10} {r.decider:<33} {r.disaggregated:>6.0%} "
             f"{r.hit_rate:>5.0%} {r.ttft_p50:>9.3f} {r.ttft_p90:>7.3f} {r.ttft_p99:>7.3f} "
             f"{r.itl_p50 * 1000:>7.1f}m {r.itl_p90 * 1000:>6.1f}m {r.itl_p99 * 1000:>6.1f}m "
             f"{r.throughput:>8.0f}"
@@ -205,8 +222,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--thresholds",
         default=",".join(map(str, DEFAULT_THRESHOLDS)) + ",always",
-        help="nonCachedTokens values to sweep; 'always' is always-disagg-pd-decider "
-        "(default %(default)s)",
+        help="deciders to sweep: N (prefix-based-pd-decider's nonCachedTokens), aware:N "
+        "(load-aware-pd-decider's), always (always-disagg-pd-decider) (default %(default)s)",
     )
     parser.add_argument("--profile", default="llama3-8b-h100")
     parser.add_argument(
@@ -259,11 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     fleet = FleetSpec(pods=args.pods, profile=profile, kv_link_gbps=args.kv_link_gbps)
     kinds = WORKLOADS if args.workload == "all" else (args.workload,)
-    thresholds: list[int | None] = [
-        None if t.strip() == "always" else int(t) for t in args.thresholds.split(",") if t.strip()
-    ]
     splits = [int(p) for p in args.prefill_pods.split(",") if p.strip()]
     try:
+        thresholds = [parse_decider(t) for t in args.thresholds.split(",") if t.strip()]
         loads = [float(x) for x in args.loads.split(",") if x.strip()]
         todo = cases(kinds, loads, args.pods, splits, thresholds)
     except ValueError as exc:

@@ -51,17 +51,22 @@ def shared_store_config(tokenizer_dir: Path, address: str, namespace: str, lease
     )
 
 
-def pd_config(threshold: int | None, prefix_parameters: Mapping[str, Any]) -> str:
+def pd_config(
+    threshold: int | None,
+    prefix_parameters: Mapping[str, Any],
+    decider_type: str = "prefix-based-pd-decider",
+) -> str:
     """llm-d-router's ``pd-epp-config.yaml`` shape (a ``prefill`` and a ``decode`` profile:
     role filter, prefix scorer 2, queue scorer 1, under ``disagg-profile-handler``) with the
     precise prefix scorer (``prefix_parameters``), so the decider sees what each decode pod
-    holds.  ``threshold`` is ``prefix-based-pd-decider``'s ``nonCachedTokens``; None uses
+    holds.  ``threshold`` is the decider's ``nonCachedTokens`` (``decider_type``:
+    ``prefix-based-pd-decider`` or ``load-aware-pd-decider``); None uses
     ``always-disagg-pd-decider``."""
     decider: dict[str, Any] = (
         {"type": "always-disagg-pd-decider", "name": "decider"}
         if threshold is None
         else {
-            "type": "prefix-based-pd-decider",
+            "type": decider_type,
             "name": "decider",
             "parameters": {"nonCachedTokens": threshold},
         }

@@ -47,6 +47,7 @@ from scorers.base import (
     SchedulingResult,
     register,
 )
+from scorers.filters import PREFILL_ROLES, ROLE_LABEL
 from scorers.request_data import (
     PREFIX_MATCH_INFO,
     PREFIX_MATCHED_TOKENS,
@@ -179,6 +180,47 @@ class PrefixBasedPDDecider(Plugin[PrefixDeciderParameters]):
             )
             return False
         return prompt - cached >= threshold
+
+
+class LoadAwareDeciderParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nonCachedTokens: int = Field(
+        default=16,
+        ge=0,
+        description="As prefix-based-pd-decider's: no smaller uncached part is disaggregated "
+        "(default 16; 0 never disaggregates).",
+    )
+
+
+@register("load-aware-pd-decider")
+class LoadAwarePDDecider(Plugin[LoadAwareDeciderParameters]):
+    """``prefix-based-pd-decider``'s rule, and a prefill pod must have the prompt done no later
+    than the decode pod would: the least prefill work queued on a prefill pod (tokens routed
+    there and not yet computed, plus the part of this prompt it does not hold) is at most what
+    the decode pod would have (its queued prefill plus its uncached part).  So prefill pods that
+    keep up take every long enough prompt, and busy ones are not queued behind."""
+
+    def disaggregate(self, request: LLMRequest, decode: Endpoint | None) -> bool:
+        threshold = self.p.nonCachedTokens
+        if threshold == 0 or decode is None:
+            return False
+        prompt = request.prompt_tokens
+        cached = cached_tokens_on(request, decode.address)
+        if prompt < threshold or cached is None:
+            return False
+        local = prompt - cached
+        if local < threshold:
+            return False
+        local += decode.load.in_flight_prefill_tokens
+        remote = None
+        for endpoint in self.context.endpoints.endpoints():
+            if endpoint.labels.get(ROLE_LABEL) not in PREFILL_ROLES:
+                continue
+            there = prompt - (cached_tokens_on(request, endpoint.address) or 0)
+            work = endpoint.load.in_flight_prefill_tokens + there
+            remote = work if remote is None else min(remote, work)
+        return remote is not None and remote <= local
 
 
 @register("always-disagg-pd-decider")
@@ -427,6 +469,7 @@ class DisaggProfileHandler(Plugin[DisaggParameters]):
 
 DECIDER_TYPES: Final = (
     "prefix-based-pd-decider",
+    "load-aware-pd-decider",
     "always-disagg-pd-decider",
     "always-disagg-multimodal-decider",
 )

@@ -1024,3 +1024,49 @@ def test_other_labels_do_not_matter() -> None:
     ep = endpoint("10.9.9.9:8000", labels={"app": "vllm", "llm-d.ai/roles": "prefill"})
     assert make("decode-filter").filter(request(), [ep]) == [ep]
     assert make("prefill-filter").filter(request(), [ep]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# load-aware-pd-decider
+
+
+def aware(fleet: Sequence[Endpoint], threshold: int = 16) -> Any:
+    decider = make("load-aware-pd-decider", {"nonCachedTokens": threshold})
+    decider.context.endpoints = StaticEndpoints(fleet)
+    return decider
+
+
+def test_the_load_aware_decider_sends_long_prompts_to_idle_prefill_pods() -> None:
+    prefill, decode = pod("10.0.0.1:8000", "prefill"), pod("10.0.0.2:8000", "decode")
+    r = request(prompt="w" * 4000)  # 1,000 tokens
+    r.data[PREFIX_MATCHED_TOKENS] = {}
+    assert aware([prefill, decode]).disaggregate(r, decode) is True
+
+
+def test_the_load_aware_decider_keeps_a_prompt_home_when_prefill_pods_are_behind() -> None:
+    prefill, decode = pod("10.0.0.1:8000", "prefill"), pod("10.0.0.2:8000", "decode")
+    r = request(prompt="w" * 4000)  # 1,000 tokens, none cached
+    r.data[PREFIX_MATCHED_TOKENS] = {}
+    # The prefill pod has 3,000 tokens of prefill queued; the decode pod 1,500: computing here
+    # (1,500 + 1,000) is done before the prefill pod would start (3,000 + 1,000).
+    prefill.load.in_flight_prefill_tokens = 3000
+    decode.load.in_flight_prefill_tokens = 1500
+    assert aware([prefill, decode]).disaggregate(r, decode) is False
+    # Once the prefill pod has caught up, it takes it again.
+    prefill.load.in_flight_prefill_tokens = 1500
+    assert aware([prefill, decode]).disaggregate(r, decode) is True
+
+
+def test_the_load_aware_decider_counts_what_each_pod_holds() -> None:
+    prefill, decode = pod("10.0.0.1:8000", "prefill"), pod("10.0.0.2:8000", "decode")
+    r = request(prompt="w" * 4000)  # 1,000 tokens
+    # The decode pod holds 980 of them: 20 left, above the threshold of 16, but the prefill pod
+    # would compute all 1,000.
+    r.data[PREFIX_MATCHED_TOKENS] = {decode.address: 980}
+    assert aware([prefill, decode]).disaggregate(r, decode) is False
+    # Below the threshold nothing moves, whatever the loads; without prefill pods neither.
+    r.data[PREFIX_MATCHED_TOKENS] = {decode.address: 990}
+    assert aware([prefill, decode]).disaggregate(r, decode) is False
+    r.data[PREFIX_MATCHED_TOKENS] = {}
+    assert aware([decode]).disaggregate(r, decode) is False
+    assert aware([prefill, decode], threshold=0).disaggregate(r, decode) is False
