@@ -81,3 +81,22 @@ def reserve_port() -> int:
             return port
         # Something listens there: leave the claim (it keeps us from retrying the port).
     raise RuntimeError(f"no free port found between {_LOWEST} and {high} after 1000 tries")
+
+
+def reserve_ports(count: int) -> int:
+    """``count`` consecutive loopback ports, reserved as `reserve_port` does; returns the first.
+    What data-parallel ranks need: vLLM offsets a rank's ports by its index."""
+    for _ in range(200):
+        first = reserve_port()
+        rest = range(first + 1, first + count)
+        claimed = []
+        for port in rest:
+            if port in _claimed or not _claim(port):
+                break
+            claimed.append(port)
+            if not _bindable(port):
+                break
+        else:
+            return first
+        # A run with a taken port: the claims stay (this process will not retry those ports).
+    raise RuntimeError(f"no run of {count} free loopback ports found after 200 tries")

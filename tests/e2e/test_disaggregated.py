@@ -14,51 +14,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from launcher.ports import LOOPBACK, reserve_port
+from launcher.ports import LOOPBACK, reserve_ports
 from launcher.processes import PodPorts, pod_command, spawn, stop_process, wait_http
 from launcher.stack import MODEL, Stack
 from launcher.traffic import words
+from tests.support.llmd_samples import PD_EPP_CONFIG
 
 pytestmark = pytest.mark.slow
 
-PD_CONFIG = """\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-  parameters:
-    maxPrefixTokensToMatch: 16384
-    lruCapacityPerServer: 31250
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: prefill-filter
-- type: decode-filter
-- type: max-score-picker
-- type: disagg-profile-handler
-  parameters:
-    deciders:
-      prefill: prefix-based-pd-decider
-- type: prefix-based-pd-decider
-  parameters:
-    nonCachedTokens: 16
-schedulingProfiles:
-- name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-- name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-"""
+PD_CONFIG = PD_EPP_CONFIG
 
 
 async def _counters(pods: list[str]) -> dict[str, tuple[float, float]]:
@@ -182,10 +146,10 @@ def dp_pod(
     external load-balancing mode runs them) behind a routing sidecar on consecutive ports; the
     EPP sees one endpoint per rank and the sample's data-parallel-profile-handler."""
     work = tmp_path_factory.mktemp("dp")
-    sidecar_base = _consecutive_ports(DP_RANKS)
-    vllm_base = _consecutive_ports(DP_RANKS)
-    kv_base = _consecutive_ports(DP_RANKS)
-    replay_base = _consecutive_ports(DP_RANKS)
+    sidecar_base = reserve_ports(DP_RANKS)
+    vllm_base = reserve_ports(DP_RANKS)
+    kv_base = reserve_ports(DP_RANKS)
+    replay_base = reserve_ports(DP_RANKS)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(DP_RANKS):
@@ -273,26 +237,6 @@ schedulingProfiles:
     finally:
         for proc in procs:
             stop_process(proc, timeout=15)
-
-
-def _consecutive_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (retried until a run is found)."""
-    for _ in range(50):
-        first = reserve_port()
-        if all(_free(first + i) for i in range(1, count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
 
 
 async def test_a_data_parallel_request_reaches_the_rank_holding_its_prefix_through_the_primary_port(

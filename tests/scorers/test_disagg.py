@@ -29,84 +29,13 @@ from scorers.disagg import (
 )
 from scorers.request_data import PREFIX_MATCHED_TOKENS, PrefixMatchInfo, prefix_match_info_key
 from tests.scorers.plugin_helpers import StaticEndpoints, endpoint, make, request
+from tests.support.llmd_samples import PD_EPP_CONFIG, SIM_E_P_D_EPP_CONFIG
 
-# llm-d-router's deploy/config/pd-epp-config.yaml, verbatim.
-PD_CONFIG = """\
-# Sample EPP configuration for running with P/D
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-  parameters:
-    maxPrefixTokensToMatch: 16384
-    lruCapacityPerServer: 31250
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: prefill-filter
-- type: decode-filter
-- type: max-score-picker
-- type: disagg-profile-handler
-  parameters:
-    deciders:
-      prefill: prefix-based-pd-decider
-- type: prefix-based-pd-decider
-  parameters:
-    nonCachedTokens: 16
-schedulingProfiles:
-- name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-- name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-"""
+PD_CONFIG = PD_EPP_CONFIG
 PD_HANDLER_PARAMETERS = "    deciders:\n      prefill: prefix-based-pd-decider\n"
 HANDLER_INDEX = 6  # plugins[6] is the disagg-profile-handler in PD_CONFIG
 
-# llm-d-router's deploy/config/sim-e-p-d-epp-config.yaml, verbatim.
-EPD_CONFIG = """\
-# Sample EPP configuration for running with E/P/D
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: encode-filter
-- type: prefill-filter
-- type: decode-filter
-- type: disagg-profile-handler
-  parameters:
-    deciders:
-      encode: always-disagg-multimodal-decider
-      prefill: prefix-based-pd-decider
-- type: always-disagg-multimodal-decider
-- type: prefix-based-pd-decider
-  parameters:
-    nonCachedTokens: 16
-schedulingProfiles:
-- name: encode
-  plugins:
-  - pluginRef: encode-filter
-- name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: queue-scorer
-    weight: 1
-- name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: queue-scorer
-    weight: 1
-"""
+EPD_CONFIG = SIM_E_P_D_EPP_CONFIG
 
 # llm-d-router's deploy/config/dp-epp-config.yaml.
 DP_CONFIG = """\

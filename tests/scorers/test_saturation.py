@@ -14,26 +14,9 @@ from epp.config import ConfigError, build_scheduler, load_config
 from scorers.base import AdmissionDeniedError, Endpoint, PluginContext
 from scorers.saturation import parse_duration, utilization
 from tests.scorers.plugin_helpers import StaticEndpoints, endpoint, make, request
+from tests.support.llmd_samples import PROBABILISTIC_ADMITTER_EPP_CONFIG
 
-# llm-d-router's deploy/config/probabilistic-admitter-epp-config.yaml (comments left out).
-ADMITTER_SAMPLE = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: probabilistic-admitter
-- type: random-picker
-- type: utilization-detector
-  parameters:
-    queueDepthThreshold: 999999999
-    kvCacheUtilThreshold: 1.0
-flowControl:
-  saturationDetector:
-    pluginRef: utilization-detector
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: random-picker
-"""
+ADMITTER_SAMPLE = PROBABILISTIC_ADMITTER_EPP_CONFIG
 
 
 def fresh(address: str, *, waiting: int = 0, kv: float = 0.0, age: float = 0.0) -> Endpoint:

@@ -14,52 +14,9 @@ from scorers.base import Endpoint, PluginContext
 from scorers.disagg import PEER_ENDPOINT, PREFILLER_HEADER
 from scorers.topology import Topology, common_level
 from tests.scorers.plugin_helpers import StaticEndpoints, endpoint, make, request
+from tests.support.llmd_samples import PD_TOPOLOGY_EPP_CONFIG
 
-# llm-d-router's deploy/config/pd-topology-epp-config.yaml (comments left out).
-PD_TOPOLOGY_CONFIG = """\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: approx-prefix-cache-producer
-  parameters:
-    maxPrefixTokensToMatch: 16384
-    lruCapacityPerServer: 31250
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: prefill-filter
-- type: decode-filter
-- type: max-score-picker
-- type: topology-extractor
-- type: topology-affinity-filter
-- type: topology-affinity-scorer
-- type: disagg-profile-handler
-  parameters:
-    deciders:
-      prefill: prefix-based-pd-decider
-- type: prefix-based-pd-decider
-  parameters:
-    nonCachedTokens: 16
-schedulingProfiles:
-- name: prefill
-  plugins:
-  - pluginRef: prefill-filter
-  - pluginRef: topology-affinity-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-  - pluginRef: topology-affinity-scorer
-    weight: 1
-- name: decode
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-"""
+PD_TOPOLOGY_CONFIG = PD_TOPOLOGY_EPP_CONFIG
 
 HOST, RACK, ZONE, REGION = (
     "kubernetes.io/hostname",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import aiohttp
 import pytest
 
 from indexer.tokenization import PromptTokenizer
-from launcher.ports import LOOPBACK, reserve_port
+from launcher.ports import LOOPBACK, reserve_port, reserve_ports
 from simulator.__main__ import kv_transfer_timing, load_tokenizer
 from simulator.engine_config import EngineConfig
 from simulator.engine_outputs import EngineMetrics
@@ -349,28 +348,11 @@ async def test_metrics_pass_through_to_the_decode_pod(tokenizer: PromptTokenizer
 # Data parallel: one sidecar port per rank, x-data-parallel-host-port on the main one
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
-def consecutive_ports(count: int) -> int:
-    for _ in range(50):
-        first = reserve_port()
-        if all(_free(first + i) for i in range(1, count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 async def test_data_parallel_ranks_are_reached_through_the_main_port(
     tokenizer: PromptTokenizer,
 ) -> None:
-    vllm_base = consecutive_ports(2)
-    sidecar_base = consecutive_ports(2)
+    vllm_base = reserve_ports(2)
+    sidecar_base = reserve_ports(2)
     pod_ip = "10.9.8.7"  # the pod's IP as the EPP names it, not the bind address
     async with AsyncExitStack() as stack:
         ranks = [
