@@ -67,6 +67,7 @@ class EndpointSpec:
     metrics_url: str = ""
     kv_events_url: str | None = None
     replay_url: str | None = None
+    rank: int = 0  # data-parallel rank within its pod (the pool's target port index)
 
     def __post_init__(self) -> None:
         if not self.metrics_url:
@@ -79,6 +80,7 @@ class EndpointSpec:
             self.metrics_url == other.metrics_url
             and self.kv_events_url == other.kv_events_url
             and self.replay_url == other.replay_url
+            and self.rank == other.rank
         )
 
 
@@ -312,6 +314,7 @@ class Datastore:
                 labels=dict(spec.labels),
                 kv_events_url=spec.kv_events_url,
                 replay_url=spec.replay_url,
+                rank=spec.rank,
             )
             self._specs[spec.address] = spec
             self._endpoints[spec.address] = ep
@@ -327,6 +330,7 @@ class Datastore:
         ep.labels = dict(spec.labels)
         ep.kv_events_url = spec.kv_events_url
         ep.replay_url = spec.replay_url
+        ep.rank = spec.rank
         if urls_changed:
             self._notify("endpoint_added", ep)
 

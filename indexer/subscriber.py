@@ -362,6 +362,11 @@ class CentralSubscriber(_Subscriber):
     registered at that IP if there is exactly one.  Construct it inside the running event loop:
     it starts receiving at once, because a bound SUB's subscription reaches a newly connected pod
     only while the socket is being polled (docs/vllm-interop.md §4.5).
+
+    Data-parallel pods: vLLM offsets the endpoint each rank connects to by the rank, and every
+    rank of a pod sends the pod's one topic.  An endpoint registered with ``rank`` r > 0 gets a
+    socket bound at the bound port + r, and the messages arriving there whose topic names its
+    IP are its own.
     """
 
     def __init__(
@@ -378,6 +383,9 @@ class CentralSubscriber(_Subscriber):
         self._hosts: dict[str, list[str]] = {}  # canonical host → its canonical endpoints
         self._route_of: dict[str, tuple[str, str]] = {}  # endpoint → (host, canonical key)
         self._auto_registered: set[str] = set()
+        self._ranked: dict[tuple[str, int], _EndpointFeed] = {}  # (host, rank > 0) → feed
+        self._rank_of: dict[str, tuple[str, int]] = {}  # endpoint → its key in _ranked
+        self._rank_subs: dict[int, zmq.asyncio.Socket] = {}  # rank → socket at port + rank
         self._sub = _open_sub(self._context, self._config)
         try:
             self._sub.bind(bind_url)
@@ -394,10 +402,11 @@ class CentralSubscriber(_Subscriber):
             self._receive_loop(self._sub, self._dispatch, self.bound_url), "kv-events-central"
         )
 
-    def add_endpoint(self, endpoint: str, replay_url: str | None = None) -> None:
+    def add_endpoint(self, endpoint: str, replay_url: str | None = None, *, rank: int = 0) -> None:
         """Deliver messages whose topic names ``endpoint`` (``ip:port`` or ``[ipv6]:port``, as in
         the pods' topics), with gap recovery through ``replay_url`` (the pod's replay ROUTER,
-        e.g. ``tcp://10.0.0.7:5558``) when given."""
+        e.g. ``tcp://10.0.0.7:5558``) when given; for data-parallel ``rank`` r > 0, those
+        arriving at the bound port + r whose topic names its IP."""
         self._check_open()
         parsed = _split_host_port(endpoint)
         if parsed is None or parsed[1] is None:
@@ -405,6 +414,9 @@ class CentralSubscriber(_Subscriber):
                 f"endpoint {endpoint!r} is not host:port; expected e.g. 10.0.0.7:8000 or "
                 "[fd00::7]:8000, as it appears in the pods' kv@<ip:port>@<model> topics"
             )
+        if rank > 0:
+            self._add_ranked(endpoint, parsed[0], rank, replay_url)
+            return
         host, key = parsed[0], _join_host_port(*parsed)
         current = self._feeds.get(endpoint)
         if current is not None and endpoint not in self._auto_registered:
@@ -421,7 +433,50 @@ class CentralSubscriber(_Subscriber):
             self.remove_endpoint(holder.endpoint)
         self._register(endpoint, host, key, self._new_feed(endpoint, replay_url))
 
+    def _add_ranked(self, endpoint: str, host: str, rank: int, replay_url: str | None) -> None:
+        current = self._feeds.get(endpoint)
+        if current is not None:
+            if current.replay_url == replay_url and self._rank_of.get(endpoint) == (host, rank):
+                return
+            self.remove_endpoint(endpoint)
+        holder = self._ranked.get((host, rank))
+        if holder is not None:
+            raise SubscriberConfigError(
+                f"endpoint {endpoint!r} is rank {rank} of {host}, as the registered endpoint "
+                f"{holder.endpoint!r} is; remove that one first"
+            )
+        self._bind_rank(rank)
+        feed = self._new_feed(endpoint, replay_url)
+        self._feeds[endpoint] = feed
+        self._ranked[(host, rank)] = feed
+        self._rank_of[endpoint] = (host, rank)
+
+    def _bind_rank(self, rank: int) -> None:
+        """A socket at the bound port + ``rank``, where vLLM's rank ``rank`` connects."""
+        if rank in self._rank_subs:
+            return
+        base, _, port = self.bound_url.rpartition(":")
+        url = f"{base}:{int(port) + rank}"
+        sub = _open_sub(self._context, self._config)
+        try:
+            sub.bind(url)
+        except zmq.ZMQError as exc:
+            sub.close(linger=0)
+            raise SubscriberConfigError(
+                f"cannot bind the KV-events SUB socket of data-parallel rank {rank} at {url!r} "
+                f"({exc}): vLLM's rank {rank} connects to the events port + {rank}"
+            ) from exc
+        self._rank_subs[rank] = sub
+
+        def dispatch(frames: list[bytes]) -> None:
+            self._dispatch(frames, rank)
+
+        self._spawn(self._receive_loop(sub, dispatch, url), f"kv-events-central-rank-{rank}")
+
     def remove_endpoint(self, endpoint: str) -> bool:
+        ranked = self._rank_of.pop(endpoint, None)
+        if ranked is not None:
+            del self._ranked[ranked]
         route = self._route_of.pop(endpoint, None)
         if route is not None:
             host, key = route
@@ -441,8 +496,10 @@ class CentralSubscriber(_Subscriber):
 
     def _close_own_sockets(self) -> None:
         self._sub.close(linger=0)
+        for sub in self._rank_subs.values():
+            sub.close(linger=0)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[bytes], rank: int = 0) -> None:
         if len(frames) != 3:
             self._unattributed_malformed += 1
             if _log_spaced(self._unattributed_malformed):
@@ -455,7 +512,12 @@ class CentralSubscriber(_Subscriber):
                 )
             return
         topic = parse_topic(frames[0])
-        feed = None if topic is None else self._route(topic)
+        if topic is None:
+            feed = None
+        elif rank:
+            feed = self._ranked.get((topic.host, rank))
+        else:
+            feed = self._route(topic)
         if feed is None:
             self._unroutable += 1
             if _log_spaced(self._unroutable):

@@ -251,7 +251,7 @@ class KVCacheView:
         if subscriber is None:
             return
         if isinstance(subscriber, CentralSubscriber):
-            subscriber.add_endpoint(endpoint.address, endpoint.replay_url)
+            subscriber.add_endpoint(endpoint.address, endpoint.replay_url, rank=endpoint.rank)
         elif endpoint.kv_events_url:
             subscriber.add_endpoint(endpoint.address, endpoint.kv_events_url, endpoint.replay_url)
 

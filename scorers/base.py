@@ -135,6 +135,9 @@ class Endpoint:
     # from discovery; plugins that subscribe fall back to their own configured ports.
     kv_events_url: str | None = None
     replay_url: str | None = None
+    # Data-parallel rank within its pod (0 for a pod with one target port): in central mode a
+    # rank's events arrive on the EPP's port + rank under the pod's one topic.
+    rank: int = 0
 
     @property
     def ip(self) -> str:

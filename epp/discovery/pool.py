@@ -163,6 +163,7 @@ def pod_endpoints(
                 labels=dict(labels),
                 kv_events_url=kv,
                 replay_url=replay,
+                rank=rank,
             )
         )
     return tuple(out)
