@@ -40,9 +40,9 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
-from scorers.base import AllEndpointsFilteredError, Endpoint
+from scorers.base import AllEndpointsFilteredError, Endpoint, LLMRequest
 
 DROPPED_REASON_HEADER: Final = "x-epp-request-dropped-reason"
 REJECTED_SATURATED: Final = "rejected-saturated"
@@ -67,6 +67,23 @@ class PoolSaturatedError(AllEndpointsFilteredError):
     def response_headers(self) -> tuple[tuple[str, str], ...]:
         """Extra headers of the ImmediateResponse (read by ``epp.extproc``)."""
         return ((DROPPED_REASON_HEADER, self.dropped_reason),)
+
+
+class Admission(Protocol):
+    """What the director admits requests through: `AdmissionController` (per-endpoint limits,
+    off by default) or, with the ``flowControl`` gate, `epp.flow_control.FlowController`."""
+
+    async def admit(
+        self,
+        candidates: Callable[[], list[Endpoint]],
+        *,
+        sheddable: bool = False,
+        request: LLMRequest | None = None,
+    ) -> list[Endpoint]: ...
+
+    def scheduled(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,12 +198,17 @@ class AdmissionController:
         return self._saturation(candidates) >= 1.0
 
     async def admit(
-        self, candidates: Callable[[], list[Endpoint]], *, sheddable: bool = False
+        self,
+        candidates: Callable[[], list[Endpoint]],
+        *,
+        sheddable: bool = False,
+        request: LLMRequest | None = None,
     ) -> list[Endpoint]:
         """The candidates this request may be scheduled on.  ``candidates`` is called again
         after each wait, since endpoints come and go.  A ``sheddable`` request (an
         InferenceObjective's negative priority) is refused rather than queued.  Raises
-        `PoolSaturatedError`."""
+        `PoolSaturatedError`.  (``request`` is `Admission`'s: the flow controller's bands
+        read it; these limits do not.)"""
         settings = self.settings
         if settings.max_in_flight_per_endpoint is None:
             current = candidates()

@@ -61,6 +61,7 @@ from epp.config_sections import (
     with_prefix_producer,
     with_token_producer,
 )
+from epp.flow_control import FlowControlSettings, flow_control_settings
 from epp.scheduler import PluginDurationHook, Scheduler, SchedulerProfile, WeightedScorer
 from scorers.base import (
     Filter,
@@ -198,6 +199,17 @@ class EndpointPickerConfig(_Strict):
     parser: PluginRef | None = None  # deprecated upstream: requestHandler.parsers
     flowControl: FlowControlSpec | None = None
     saturationDetector: SaturationDetectorSpec | None = None  # deprecated: flowControl's
+
+    @property
+    def flow_control_enabled(self) -> bool:
+        """The ``flowControl`` feature gate."""
+        return feature_gates(self.featureGates)[0]["flowControl"]
+
+    @property
+    def flow_control_settings(self) -> FlowControlSettings:
+        """The ``flowControl`` section as `epp.flow_control` runs it (gate on)."""
+        types = {spec.name: spec.type for spec in self.plugins}
+        return flow_control_settings(self.flowControl, types)
 
     @property
     def saturation_detector(self) -> str | None:
@@ -529,12 +541,20 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
             )
 
     types = {spec.name: spec.type for spec in with_detector}
-    problems += feature_gates(config.featureGates)[1]
+    gates, gate_problems = feature_gates(config.featureGates)
+    problems += gate_problems
+    if gates["flowControl"]:
+        try:
+            flow_control_settings(config.flowControl, types)
+        except ValueError as exc:
+            problems.append(str(exc))
     if config.dataLayer is not None:
         problems += data_layer_problems(config.dataLayer, types)
     problems += parser_types(config.requestHandler, config.parser, types)[1]
     problems += producer_problems(specs_in, types)
-    problems += saturation_detector(config.flowControl, detector, types, source)[1]
+    problems += saturation_detector(
+        config.flowControl, detector, types, source, gate_on=gates["flowControl"]
+    )[1]
     if problems:
         raise ConfigError(source, problems)
     return EndpointPickerConfig(

@@ -3,7 +3,7 @@
 the references between plugins its split prefix pipeline uses.
 
 * ``featureGates``: a list of ``name`` / ``name=true|false``.  llm-d-router registers two:
-  ``flowControl`` (off by default; on is an error here, flow control is not implemented) and
+  ``flowControl`` (off by default; on, requests wait in priority bands: `epp.flow_control`) and
   ``haPopulateNonLeaderDatastore`` (on by default; every replica here keeps its own datastore,
   so either value describes it).  An unknown gate is an error, as upstream.
 * ``dataLayer``: ``sources`` with their ``extractors``, each a declared plugin: a
@@ -15,8 +15,9 @@ the references between plugins its split prefix pipeline uses.
   ``passthrough-parser``, each declared); default all three, as llm-d-router's default list
   (less its ``vllmhttp-parser``, not offered).
 * ``flowControl.saturationDetector`` (or the deprecated top-level ``saturationDetector``) names
-  the ``utilization-detector`` that decides when sheddable requests are dropped; the section's
-  queueing keys are logged as not applied (the ``flowControl`` gate is off), as upstream.
+  the ``utilization-detector`` that measures the pool's saturation: when sheddable requests are
+  dropped, or, with the ``flowControl`` gate, when waiting requests are dispatched; with the
+  gate off the section's queueing keys are logged as not applied, as upstream.
 * ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared prefix
   producer (precise or ``approx-prefix-cache-producer``); a ``prefix-cache-scorer`` naming none
   reads the one approximate producer declared, if any; a ``token-producer``'s ``modelName``
@@ -92,18 +93,12 @@ def feature_gates(gates: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
             problems.append(f"featureGates[{i}]: {gate!r}: the value must be true or false")
             continue
         values[name] = value in ("true", "1")
-    if values["flowControl"]:
-        problems.append(
-            "featureGates: flowControl is not implemented in this EPP (overload is handled by "
-            "--max-in-flight-per-endpoint and --admission-mode); remove the gate"
-        )
     return values, problems
 
 
 class FlowControlSpec(_Strict):
-    """llm-d-router's ``flowControl`` section.  Only ``saturationDetector`` applies here: the
-    queueing layer the other keys configure is not implemented, and upstream too ignores them
-    (with a warning) while the ``flowControl`` feature gate is off, which it must be here."""
+    """llm-d-router's ``flowControl`` section (`epp.flow_control.flow_control_settings` reads
+    it with the gate on; with it off only ``saturationDetector`` applies, as upstream)."""
 
     saturationDetector: PluginRef | None = None
     usageLimitPolicyPluginRef: str | None = None
@@ -161,19 +156,20 @@ def saturation_detector(
     deprecated: SaturationDetectorSpec | None,
     types: Mapping[str, str],
     source: str = "<config>",
+    gate_on: bool = False,
 ) -> tuple[str | None, list[str]]:
     """The detector plugin the configuration names (``flowControl.saturationDetector``, else
     the deprecated top-level ``saturationDetector``), and the problems of these sections."""
     problems: list[str] = []
     ref, where = None, ""
-    if flow_control is not None:
+    if flow_control is not None and not gate_on:
         unused = sorted(
             k for k, v in flow_control.model_dump(exclude={"saturationDetector"}).items() if v
         )
         if unused:
             logger.warning(
-                "%s: flowControl.%s: not applied: the flowControl feature gate is off (flow "
-                "control is not implemented here), as llm-d-router ignores them then",
+                "%s: flowControl.%s: not applied: the flowControl feature gate is off (as "
+                "llm-d-router, which ignores them then)",
                 source,
                 ", flowControl.".join(unused),
             )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from epp.admission import AdmissionController
+from epp.admission import Admission, AdmissionController
 from epp.datastore import Datastore, InFlightRequest
 from epp.extproc import RoutingDecision
 from epp.request_rules import RequestRules
@@ -76,13 +76,13 @@ class Director:
         datastore: Datastore,
         scheduler: Scheduler,
         telemetry: Telemetry | None = None,
-        admission: AdmissionController | None = None,
+        admission: Admission | None = None,
         rules: RequestRules | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.telemetry = telemetry
-        self.admission = admission or AdmissionController()
+        self.admission: Admission = admission or AdmissionController()
         self.rules = rules  # InferenceModelRewrites and InferenceObjectives (with a pool)
         # time.monotonic() of the last request routed or refused; the server's drain reads it.
         self.last_request_at: float | None = None
@@ -100,7 +100,7 @@ class Director:
         admission = self.admission
         try:
             candidates = await admission.admit(
-                lambda: self.candidates(subset), sheddable=request.priority < 0
+                lambda: self.candidates(subset), sheddable=request.priority < 0, request=request
             )
         except SchedulingError:
             self._count_attempt("failure")

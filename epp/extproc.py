@@ -542,6 +542,7 @@ class ExtProcStream:
             max_body_bytes=self._settings.max_body_bytes,
             parsers=self._settings.parsers,
         )
+        request.body_bytes = len(body)
         self._request = request
         target = model_rewrite(self.headers)
         if target is not None:

@@ -34,6 +34,9 @@ _DURATION_BUCKETS: Final = (
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
     30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
 )  # fmt: skip
+_QUEUE_BUCKETS: Final = (
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)  # fmt: skip
 _SCHEDULER_BUCKETS: Final = (
     0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 )  # fmt: skip
@@ -151,6 +154,34 @@ class LlmdMetrics:
             "llm_d_inference_scheduler_disagg_decision",
             "Disaggregation decisions (deprecated name of llm_d_epp_disagg_decision_total).",
             ["model_name", "decision_type"],
+            registry=r,
+        )
+
+        self.flow_requests = Counter(
+            "llm_d_epp_flow_control_requests",
+            "Requests through flow control, by outcome (Dispatched, RejectedCapacity, "
+            "RejectedNoEndpoints, EvictedTTL, EvictedNoEndpoints, EvictedContextCancelled).",
+            ["outcome", "priority", "inference_pool"],
+            registry=r,
+        )
+        self.flow_queue_duration = Histogram(
+            "llm_d_epp_flow_control_request_queue_duration_seconds",
+            "Time a request waited in flow control, by priority and outcome.",
+            ["priority", "outcome", "inference_pool"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.flow_saturation = Gauge(
+            "llm_d_epp_flow_control_pool_saturation",
+            "The pool's saturation as flow control last measured it, by stage (prefill, "
+            "decode, effective).",
+            ["inference_pool", "stage"],
+            registry=r,
+        )
+        self.flow_saturation_deprecated = Gauge(
+            "inference_extension_flow_control_pool_saturation",
+            "Deprecated name of llm_d_epp_flow_control_pool_saturation.",
+            ["inference_pool", "stage"],
             registry=r,
         )
 

@@ -35,7 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epp.admission import AdmissionController, AdmissionMode, AdmissionSettings
-from epp.config import build_scheduler, load_config
+from epp.config import EndpointPickerConfig, build_scheduler, load_config
 from epp.datastore import Datastore
 from epp.director import Director
 from epp.discovery import Discovery
@@ -43,6 +43,7 @@ from epp.discovery.kubernetes import KubernetesDiscovery
 from epp.discovery.pool import PoolRef, rank_port_clash, selector_pool
 from epp.discovery.static import StaticDiscovery
 from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
+from epp.flow_control import FlowController, build_flow_controller
 from epp.gauges import GaugeSample
 from epp.health import HealthService, add_health_service
 from epp.request_rules import RequestRules
@@ -59,7 +60,7 @@ from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
 from scorers.base import PluginContext
-from scorers.saturation import UtilizationDetector
+from scorers.saturation import UtilizationDetector, utilization
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,13 @@ class EndpointPicker:
             if options.pool_name
             else None
         )
+        self.flow_control = self._flow_control(config, detector)
         self.director = Director(
-            self.datastore, self.scheduler, self.telemetry, self.admission, self.rules
+            self.datastore,
+            self.scheduler,
+            self.telemetry,
+            self.flow_control or self.admission,
+            self.rules,
         )
         self.scraper = MetricsScraper(
             self.datastore,
@@ -266,10 +272,38 @@ class EndpointPicker:
             self.metrics_port or 0,
         )
 
+    def _flow_control(
+        self, config: EndpointPickerConfig, detector: object
+    ) -> FlowController | None:
+        """llm-d-router's flow control when the configuration's ``flowControl`` gate is on."""
+        if not config.flow_control_enabled:
+            return None
+        if self.options.max_in_flight_per_endpoint is not None:
+            raise ValueError(
+                "featureGates: flowControl queues requests by the pool's saturation; "
+                "--max-in-flight-per-endpoint is the other admission control: use one"
+            )
+        saturation = (
+            detector.saturation
+            if isinstance(detector, UtilizationDetector)
+            else lambda endpoints: utilization(endpoints, 5, 0.8, 0.2)  # its defaults
+        )
+        datastore = self.datastore
+        return build_flow_controller(
+            config.flow_control_settings,
+            {getattr(p, "name", ""): p for p in self.scheduler.plugins},
+            saturation,
+            lambda: datastore.routable(datastore.endpoints()),
+            on_outcome=self.telemetry.flow_control_outcome,
+            on_saturation=self.telemetry.flow_control_saturation,
+        )
+
     async def stop(self) -> None:
         """Drain, then stop in reverse order.  Safe to call once after `start` (even if it
         failed part-way)."""
         self.health.draining = True
+        if self.flow_control is not None:
+            await self.flow_control.stop()
         if self.extproc is not None:
             await self._drain()
             await self.extproc.stop(grace=5.0)

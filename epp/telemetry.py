@@ -12,7 +12,7 @@ and event hot paths free of metric updates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -191,6 +191,16 @@ class Telemetry:
         self.llmd.requests.labels(*labels).inc()
         self.llmd.running.labels(*labels).inc()
         self.llmd.disagg_decided(request)
+
+    def flow_control_outcome(self, outcome: str, priority: int, waited: float) -> None:
+        pool = self.pool_name
+        self.llmd.flow_requests.labels(outcome, str(priority), pool).inc()
+        self.llmd.flow_queue_duration.labels(str(priority), outcome, pool).observe(waited)
+
+    def flow_control_saturation(self, stages: Mapping[str, float]) -> None:
+        for stage, value in stages.items():
+            self.llmd.flow_saturation.labels(self.pool_name, stage).set(value)
+            self.llmd.flow_saturation_deprecated.labels(self.pool_name, stage).set(value)
 
     def first_byte(self, request: LLMRequest, seconds: float) -> None:
         labels = self.llmd.labels(request)

@@ -178,6 +178,8 @@ class LLMRequest:
     prompt_token_ids: list[int] | None = None
     # Per-request data shared between plugins (the Inference Extension's CycleState).
     data: dict[str, Any] = field(default_factory=dict)
+    # The body's length as received (flow control's queue bytes).
+    body_bytes: int = 0
     # Headers the EPP sets on the forwarded request (a profile handler's or PreRequest plugin's:
     # the P/D sidecar's prefiller); None removes a header the client sent.
     set_headers: dict[str, str | None] = field(default_factory=dict)

@@ -298,8 +298,7 @@ def test_feature_gates_are_llm_d_routers() -> None:
         "featureGates[0]: feature gate 'prepareDataPlugins' is unknown; known: flowControl, "
         "haPopulateNonLeaderDatastore",
     )
-    (problem,) = problems("featureGates: [flowControl]\nplugins: [{type: queue-scorer}]")
-    assert problem.startswith("featureGates: flowControl is not implemented")
+    assert load("featureGates: [flowControl]\nplugins: [{type: queue-scorer}]").flow_control_enabled
 
 
 def test_data_layer_sources_and_extractors_must_be_what_runs_here() -> None:

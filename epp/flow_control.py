@@ -1,0 +1,650 @@
+"""llm-d-router's flow control (``featureGates: [flowControl]``): requests wait in priority bands
+and leave when the pool has room, instead of piling onto the model servers.
+
+Every request with a body enters its band's queue (its InferenceObjective's priority; its flow
+is its fairness id, ``x-llm-d-inference-fairness-id``, else ``default-flow``).  A dispatch cycle
+runs on each arrival, on each release and every few milliseconds while anything waits:
+
+1. requests whose TTL ran out leave; the pool's saturation comes from the saturation detector (``utilization-detector``), per
+   stage: prefill pods (``llm-d.ai/role`` prefill / encode-prefill), decode pods (decode or no
+   role) and pods that do both counted in both; the effective saturation is the larger;
+2. the usage-limit policy gives each band a ceiling (``static-usage-limit-policy``: the same
+   ``threshold`` for all, default 1.0; ``soft-reflective-ceiling-policy``: lower bands close
+   first as saturation grows);
+3. bands are walked from the highest priority: the first whose ceiling the saturation reaches
+   stops the cycle (head-of-line, lower bands wait too); else its fairness policy picks a flow
+   (``global-strict-fairness-policy``: the oldest head across flows; ``round-robin-fairness-
+   policy``: flows in turn) and the flow's oldest request is dispatched (``fcfs-ordering-policy``;
+   ``edf-ordering-policy`` is the same while every request has the same TTL).  One request
+   leaves per cycle.
+
+A request leaves unscheduled when its band or the whole queue is full (429
+``rejected-saturated``; 503 ``rejected-no-endpoints`` while the pool is empty), when it waited
+``defaultRequestTTL`` (429 ``rejected-ttl-expired``) or ``noEndpointRequestTTL`` with no endpoint
+(503 ``rejected-no-endpoints``), or when its client goes away.  The reason is in
+``x-llm-d-request-dropped-reason``.
+
+Differences from upstream, by design: a band for a priority no band is configured for is
+created from ``defaultPriorityBand`` (or ``defaultNegativePriorityBand``) when its first request
+arrives, not only from the InferenceObjectives seen; and running requests are never evicted
+(``enableEviction`` is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scorers.base import (
+    AllEndpointsFilteredError,
+    Endpoint,
+    LLMRequest,
+    NoParameters,
+    NoReadyEndpointsError,
+    Plugin,
+    PluginConfigError,
+    register,
+)
+from scorers.filters import ROLE_LABEL
+
+DROPPED_REASON_HEADER: Final = "x-llm-d-request-dropped-reason"
+FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+DEFAULT_FLOW: Final = "default-flow"
+DEFAULT_TTL_S: Final = 60.0
+DEFAULT_BAND_REQUESTS: Final = 5000
+DEFAULT_BAND_BYTES: Final = 1_000_000_000
+_TICK_S: Final = 0.005  # how often waiting requests re-read the pool's saturation
+
+Outcome = Literal[
+    "Dispatched",
+    "RejectedCapacity",
+    "RejectedNoEndpoints",
+    "EvictedTTL",
+    "EvictedNoEndpoints",
+    "EvictedContextCancelled",
+]
+
+
+class FlowControlRejected(AllEndpointsFilteredError):
+    """429 with llm-d-router's dropped reason."""
+
+    http_status = 429
+
+    def __init__(self, message: str, reason: str, outcome: Outcome) -> None:
+        super().__init__(message)
+        self.dropped_reason = reason
+        self.outcome = outcome
+
+    @property
+    def response_headers(self) -> tuple[tuple[str, str], ...]:
+        return ((DROPPED_REASON_HEADER, self.dropped_reason),)
+
+
+class FlowControlNoEndpoints(NoReadyEndpointsError):
+    """503 ``rejected-no-endpoints``: the pool had no endpoint while the request waited."""
+
+    def __init__(self, message: str, outcome: Outcome) -> None:
+        super().__init__(message)
+        self.dropped_reason = "rejected-no-endpoints"
+        self.outcome = outcome
+
+    @property
+    def response_headers(self) -> tuple[tuple[str, str], ...]:
+        return ((DROPPED_REASON_HEADER, self.dropped_reason),)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantities and durations as Kubernetes writes them
+
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_SUFFIX: Final = {
+    None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+}  # fmt: skip
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_S: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def quantity(value: Any, what: str) -> int:
+    """A Kubernetes quantity (``500``, ``1k``, ``10Gi``) as an integer >= 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: {value!r} is not a quantity")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _QUANTITY.match(str(value).strip())
+        if match is None:
+            raise ValueError(f"{what}: {value!r} is not a quantity such as 500, 1k or 10Gi")
+        number = math.ceil(float(match.group(1)) * _SUFFIX[match.group(2)])
+    if number < 0:
+        raise ValueError(f"{what} must be non-negative, got {number}")
+    return number
+
+
+def duration(value: Any, what: str) -> float:
+    """A Go duration (``60s``, ``1m30s``, ``500ms``) in seconds, >= 0."""
+    text = str(value).strip()
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"{what}: {value!r} is not a duration such as 60s, 1m30s or 500ms")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy plugins (declared in `plugins`, referenced by name from `flowControl`)
+
+
+@register("global-strict-fairness-policy")
+class GlobalStrictFairness(Plugin[NoParameters]):
+    """The band's oldest waiting request, whatever its flow (upstream's default)."""
+
+    def pick_flow(self, band: Band) -> Flow | None:
+        heads = [f for f in band.flows.values() if f.items]
+        return min(heads, key=lambda f: f.items[0].seq, default=None)
+
+
+@register("round-robin-fairness-policy")
+class RoundRobinFairness(Plugin[NoParameters]):
+    """Each flow with waiting requests in turn, one request per turn (flows in id order)."""
+
+    def pick_flow(self, band: Band) -> Flow | None:
+        names = sorted(band.flows)
+        if not names:
+            return None
+        last = band.last_flow
+        start = names.index(last) + 1 if last is not None and last in band.flows else 0
+        for name in itertools.chain(names[start:], names[:start]):
+            if band.flows[name].items:
+                band.last_flow = name
+                return band.flows[name]
+        return None
+
+
+@register("fcfs-ordering-policy")
+class FCFSOrdering(Plugin[NoParameters]):
+    """Oldest first within a flow (upstream's default)."""
+
+
+@register("edf-ordering-policy")
+class EDFOrdering(Plugin[NoParameters]):
+    """Earliest deadline first; every request has the same TTL, so it is FCFS (as upstream)."""
+
+
+class StaticLimitParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Every band's ceiling (default 1.0)."
+    )
+
+
+@register("static-usage-limit-policy")
+class StaticUsageLimit(Plugin[StaticLimitParameters]):
+    """The same ceiling for every band."""
+
+    def ceilings(self, saturation: float, bands: int) -> list[float]:
+        return [self.p.threshold] * bands
+
+
+@register("soft-reflective-ceiling-policy")
+class SoftReflectiveCeiling(Plugin[NoParameters]):
+    """Band i of N (0 the highest) closes once saturation reaches ``1 - i·s/(N-1)``; between
+    half and full saturation lower bands open one cycle in ``round(s/(1-s))`` (upstream's)."""
+
+    experimental: ClassVar[bool] = True
+
+    def __init__(self, name: str, params: BaseModel, context: Any) -> None:
+        super().__init__(name, params, context)
+        self._tick = 0
+
+    def ceilings(self, saturation: float, bands: int) -> list[float]:
+        if bands <= 1:
+            return [1.0] * bands
+        s = saturation
+        is_open = True
+        if 1 - s <= s < 1:
+            period = max(1, round(s / (1 - s + 1e-9)))
+            self._tick += 1
+            is_open = self._tick % period == 0
+        out = [1.0]
+        for i in range(1, bands):
+            reflective = 1 - i * s / (bands - 1)
+            if s < reflective:
+                out.append(1.0)
+            elif s >= 1:
+                out.append(0.0)
+            else:
+                out.append(1.0 if is_open else 0.0)
+        return out
+
+
+FAIRNESS_TYPES: Final = ("global-strict-fairness-policy", "round-robin-fairness-policy")
+ORDERING_TYPES: Final = ("fcfs-ordering-policy", "edf-ordering-policy")
+USAGE_LIMIT_TYPES: Final = ("static-usage-limit-policy", "soft-reflective-ceiling-policy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(slots=True, frozen=True)
+class BandSettings:
+    max_requests: int = DEFAULT_BAND_REQUESTS
+    max_bytes: int = DEFAULT_BAND_BYTES
+    fairness: str = "global-strict-fairness-policy"
+
+
+@dataclass(slots=True, frozen=True)
+class FlowControlSettings:
+    """The ``flowControl`` section, parsed (`flow_control_settings`)."""
+
+    max_requests: int = 0  # 0: no global limit
+    max_bytes: int = 0
+    ttl: float = DEFAULT_TTL_S  # 0: no expiry while the pool has endpoints
+    no_endpoint_ttl: float = DEFAULT_TTL_S
+    default_band: BandSettings = BandSettings()
+    negative_band: BandSettings | None = None
+    bands: Mapping[int, BandSettings] = field(default_factory=dict)
+    usage_limit_policy: str = "static-usage-limit-policy"
+
+    def band(self, priority: int) -> BandSettings:
+        if priority in self.bands:
+            return self.bands[priority]
+        if priority < 0 and self.negative_band is not None:
+            return self.negative_band
+        return self.default_band
+
+
+def _band(raw: Any, where: str, plugins: Mapping[str, str]) -> BandSettings:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {raw!r}")
+    unknown = sorted(set(raw) - {"priority", "maxRequests", "maxBytes", "fairnessPolicyRef",
+                                 "orderingPolicyRef"})  # fmt: skip
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    fairness = raw.get("fairnessPolicyRef") or "global-strict-fairness-policy"
+    ordering = raw.get("orderingPolicyRef") or "fcfs-ordering-policy"
+    for ref, kinds, key in (
+        (fairness, FAIRNESS_TYPES, "fairnessPolicyRef"),
+        (ordering, ORDERING_TYPES, "orderingPolicyRef"),
+    ):
+        kind = plugins.get(ref, ref if ref in kinds else None)
+        if kind not in kinds:
+            raise ValueError(
+                f"{where}.{key}: {ref!r} is not a declared {' or '.join(kinds)} plugin"
+            )
+    # 0 means unset for a band, as upstream.
+    requests = quantity(raw.get("maxRequests", 0), f"{where}.maxRequests") or DEFAULT_BAND_REQUESTS
+    size = quantity(raw.get("maxBytes", 0), f"{where}.maxBytes") or DEFAULT_BAND_BYTES
+    return BandSettings(requests, size, fairness)
+
+
+def flow_control_settings(section: Any, plugins: Mapping[str, str]) -> FlowControlSettings:
+    """The ``flowControl`` section (a `epp.config_sections.FlowControlSpec`) with the gate on;
+    ``plugins``: declared name → type.  Raises ValueError naming the key."""
+    if section is None:
+        return FlowControlSettings()
+    if section.enableEviction:
+        raise ValueError(
+            "flowControl.enableEviction: evicting running requests is not implemented here; "
+            "waiting requests leave by their TTL or the band's capacity"
+        )
+    ttl = (
+        duration(section.defaultRequestTTL, "flowControl.defaultRequestTTL")
+        if (section.defaultRequestTTL is not None)
+        else DEFAULT_TTL_S
+    )
+    no_endpoint = (
+        duration(section.noEndpointRequestTTL, "flowControl.noEndpointRequestTTL")
+        if section.noEndpointRequestTTL is not None
+        else ttl
+        if section.defaultRequestTTL is not None
+        else DEFAULT_TTL_S
+    )
+    default_band = (
+        _band(section.defaultPriorityBand, "flowControl.defaultPriorityBand", plugins)
+        if section.defaultPriorityBand is not None
+        else BandSettings()
+    )
+    negative = (
+        _band(section.defaultNegativePriorityBand, "flowControl.defaultNegativePriorityBand",
+              plugins)
+        if section.defaultNegativePriorityBand is not None
+        else None
+    )  # fmt: skip
+    bands: dict[int, BandSettings] = {}
+    for i, raw in enumerate(section.priorityBands or ()):
+        where = f"flowControl.priorityBands[{i}]"
+        priority = raw.get("priority") if isinstance(raw, Mapping) else None
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"{where}.priority: an integer is required")
+        if priority in bands:
+            raise ValueError(f"{where}.priority: duplicate priority level {priority}")
+        bands[priority] = _band(raw, where, plugins)
+    policy = section.usageLimitPolicyPluginRef or "static-usage-limit-policy"
+    kind = plugins.get(policy, policy if policy == "static-usage-limit-policy" else None)
+    if kind not in USAGE_LIMIT_TYPES:
+        raise ValueError(
+            f"flowControl.usageLimitPolicyPluginRef: {policy!r} is not a declared usage limit "
+            f"policy ({', '.join(USAGE_LIMIT_TYPES)})"
+        )
+    return FlowControlSettings(
+        max_requests=quantity(section.maxRequests or 0, "flowControl.maxRequests"),
+        max_bytes=quantity(section.maxBytes or 0, "flowControl.maxBytes"),
+        ttl=ttl,
+        no_endpoint_ttl=no_endpoint,
+        default_band=default_band,
+        negative_band=negative,
+        bands=bands,
+        usage_limit_policy=policy,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Queues
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    seq: int
+    size: int
+    enqueued_at: float
+    done: asyncio.Future[Outcome]
+
+
+@dataclass(slots=True)
+class Flow:
+    name: str
+    items: deque[Item] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class Band:
+    priority: int
+    settings: BandSettings
+    flows: OrderedDict[str, Flow] = field(default_factory=OrderedDict)
+    waiting: int = 0
+    bytes: int = 0
+    last_flow: str | None = None
+
+
+def fairness_id(request: LLMRequest) -> str:
+    for header in FAIRNESS_HEADERS:
+        if value := request.headers.get(header):
+            return value
+    return DEFAULT_FLOW
+
+
+def stage_saturation(
+    endpoints: Sequence[Endpoint], saturation: Callable[[Sequence[Endpoint]], float]
+) -> dict[str, float]:
+    """Saturation per stage, as upstream's processor splits the pool by role."""
+    prefill, decode = [], []
+    for ep in endpoints:
+        role = ep.labels.get(ROLE_LABEL)
+        if role in ("prefill", "encode-prefill"):
+            prefill.append(ep)
+        elif role is None or role in ("", "decode"):
+            decode.append(ep)
+        elif role in ("prefill-decode", "both", "encode-prefill-decode"):
+            prefill.append(ep)
+            decode.append(ep)
+    out = {}
+    if prefill:
+        out["prefill"] = saturation(prefill)
+    if decode:
+        out["decode"] = saturation(decode)
+    out["effective"] = max(out.values()) if out else saturation(endpoints)
+    return out
+
+
+class FlowController:
+    """The admission of `epp.director.Director` when the ``flowControl`` gate is on."""
+
+    def __init__(
+        self,
+        settings: FlowControlSettings,
+        saturation: Callable[[Sequence[Endpoint]], float],
+        usage_limit: StaticUsageLimit | SoftReflectiveCeiling,
+        fairness: Mapping[str, GlobalStrictFairness | RoundRobinFairness],
+        pool: Callable[[], list[Endpoint]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_outcome: Callable[[str, int, float], None] | None = None,
+        on_saturation: Callable[[Mapping[str, float]], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._saturation = saturation
+        self._limit = usage_limit
+        self._fairness = fairness
+        self._pool = pool
+        self._clock = clock
+        self._on_outcome = on_outcome  # (outcome, priority, seconds waited)
+        self._on_saturation = on_saturation
+        self._bands: dict[int, Band] = {}
+        self._seq = itertools.count()
+        self._waiting = 0
+        self._bytes = 0
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- the director's interface (as `epp.admission.AdmissionController`) ---------------------
+
+    async def admit(
+        self,
+        candidates: Callable[[], list[Endpoint]],
+        *,
+        sheddable: bool = False,
+        request: LLMRequest | None = None,
+    ) -> list[Endpoint]:
+        """Wait in the request's band until dispatched; the candidates then.  Raises
+        `FlowControlRejected` (429) or `FlowControlNoEndpoints` (503) with the reason."""
+        priority = request.priority if request is not None else 0
+        flow = fairness_id(request) if request is not None else DEFAULT_FLOW
+        size = request.body_bytes if request is not None else 0
+        band = self._band(priority)
+        start = self._clock()
+        if not self._has_room(band, size):
+            empty = not self._pool()
+            outcome: Outcome = "RejectedNoEndpoints" if empty else "RejectedCapacity"
+            self._report(outcome, priority, 0.0)
+            if empty:
+                raise FlowControlNoEndpoints(
+                    "no endpoint to serve the request and its queue is full", outcome
+                )
+            raise FlowControlRejected(
+                f"flow control: priority band {priority} is at capacity; retry later",
+                "rejected-saturated",
+                outcome,
+            )
+        item = Item(next(self._seq), size, start, asyncio.get_running_loop().create_future())
+        queue = band.flows.setdefault(flow, Flow(flow)).items
+        queue.append(item)
+        band.waiting += 1
+        band.bytes += size
+        self._waiting += 1
+        self._bytes += size
+        try:
+            self._dispatch()
+            self._ensure_ticker()
+            outcome = await item.done
+        except asyncio.CancelledError:
+            self._report("EvictedContextCancelled", priority, self._clock() - start)
+            raise
+        finally:
+            if not item.done.done():
+                item.done.cancel()
+            self._remove(band, flow, item)
+        self._report(outcome, priority, self._clock() - start)
+        if outcome == "Dispatched":
+            return candidates()
+        if outcome == "EvictedNoEndpoints":
+            raise FlowControlNoEndpoints(
+                f"no endpoint appeared within {self.settings.no_endpoint_ttl:g} s", outcome
+            )
+        raise FlowControlRejected(
+            f"flow control: the pool stayed saturated for {self.settings.ttl:g} s; retry later",
+            "rejected-ttl-expired",
+            outcome,
+        )
+
+    def scheduled(self) -> None:
+        """The dispatched request was scheduled: its load now shows in the pool."""
+        self._dispatch()
+
+    def release(self) -> None:
+        """A routed request finished: there may be room now."""
+        self._dispatch()
+
+    @property
+    def queued(self) -> int:
+        return self._waiting
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _band(self, priority: int) -> Band:
+        band = self._bands.get(priority)
+        if band is None:
+            band = self._bands[priority] = Band(priority, self.settings.band(priority))
+        return band
+
+    def _has_room(self, band: Band, size: int) -> bool:
+        s = self.settings
+        if s.max_requests and self._waiting + 1 > s.max_requests:
+            return False
+        if s.max_bytes and self._bytes + size > s.max_bytes:
+            return False
+        return (
+            band.waiting + 1 <= band.settings.max_requests
+            and band.bytes + size <= band.settings.max_bytes
+        )
+
+    def _remove(self, band: Band, flow: str, item: Item) -> None:
+        queue = band.flows.get(flow)
+        if queue is None or item not in queue.items:
+            return
+        queue.items.remove(item)
+        band.waiting -= 1
+        band.bytes -= item.size
+        self._waiting -= 1
+        self._bytes -= item.size
+
+    def _dispatch(self) -> None:
+        """One dispatch cycle (module docstring): at most one request leaves per cycle, as
+        upstream, so the pool's measured load can catch up between dispatches."""
+        if self._waiting:
+            self._dispatch_one()
+
+    def _dispatch_one(self) -> bool:
+        pool = self._pool()
+        now = self._clock()
+        self._expire(now, empty=not pool)
+        if not pool or not self._waiting:
+            return False
+        stages = stage_saturation(pool, self._saturation)
+        if self._on_saturation is not None:
+            self._on_saturation(stages)
+        saturation = stages["effective"]
+        bands = sorted(self._bands.values(), key=lambda b: -b.priority)
+        ceilings = self._limit.ceilings(saturation, len(bands))
+        for band, ceiling in zip(bands, ceilings, strict=True):
+            if saturation >= ceiling:
+                return False  # head-of-line: lower bands wait too
+            if not band.waiting:
+                continue
+            policy = self._fairness.get(band.settings.fairness)
+            flow = policy.pick_flow(band) if policy is not None else None
+            if flow is None:
+                continue
+            item = flow.items.popleft()
+            band.waiting -= 1
+            band.bytes -= item.size
+            self._waiting -= 1
+            self._bytes -= item.size
+            if not item.done.done():
+                item.done.set_result("Dispatched")
+            return True
+        return False
+
+    def _expire(self, now: float, *, empty: bool) -> None:
+        ttl = self.settings.no_endpoint_ttl if empty else self.settings.ttl
+        if ttl <= 0:
+            return
+        outcome: Outcome = "EvictedNoEndpoints" if empty else "EvictedTTL"
+        for band in self._bands.values():
+            for flow in band.flows.values():
+                for item in list(flow.items):
+                    if now - item.enqueued_at >= ttl and not item.done.done():
+                        item.done.set_result(outcome)
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="flow-ctl")
+
+    async def _tick(self) -> None:
+        """While requests wait: metrics change without a release (scrapes), TTLs run out."""
+        while self._waiting:
+            await asyncio.sleep(_TICK_S)
+            self._dispatch()
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    def _report(self, outcome: str, priority: int, waited: float) -> None:
+        if self._on_outcome is not None:
+            self._on_outcome(outcome, priority, waited)
+
+
+def build_flow_controller(
+    settings: FlowControlSettings,
+    plugins: Mapping[str, object],
+    saturation: Callable[[Sequence[Endpoint]], float],
+    pool: Callable[[], list[Endpoint]],
+    **kwargs: Any,
+) -> FlowController:
+    """The controller with the configured policy instances (``plugins``: name → instance; the
+    default policies are made when not declared, as upstream injects them)."""
+    from scorers.base import PluginContext, create_plugin
+
+    context = PluginContext(endpoints=_NoEndpoints())
+
+    def instance(name: str) -> object:
+        found = plugins.get(name)
+        if found is None:
+            found = create_plugin(name, name, None, context)
+        return found
+
+    limit = instance(settings.usage_limit_policy)
+    if not isinstance(limit, StaticUsageLimit | SoftReflectiveCeiling):
+        raise PluginConfigError(f"{settings.usage_limit_policy!r} is not a usage limit policy")
+    fairness: dict[str, GlobalStrictFairness | RoundRobinFairness] = {}
+    bands = [settings.default_band, *settings.bands.values()]
+    if settings.negative_band is not None:
+        bands.append(settings.negative_band)
+    for band in bands:
+        policy = instance(band.fairness)
+        if not isinstance(policy, GlobalStrictFairness | RoundRobinFairness):
+            raise PluginConfigError(f"{band.fairness!r} is not a fairness policy")
+        fairness[band.fairness] = policy
+    return FlowController(settings, saturation, limit, fairness, pool, **kwargs)
+
+
+class _NoEndpoints:
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def get(self, address: str) -> Endpoint | None:
+        return None
