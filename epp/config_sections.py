@@ -112,7 +112,7 @@ class FlowControlSpec(_Strict):
     enableEviction: Any = None
 
 
-SATURATION_DETECTOR_TYPES: Final = ("utilization-detector",)
+SATURATION_DETECTOR_TYPES: Final = ("utilization-detector", "concurrency-detector")
 
 
 class SaturationDetectorSpec(_Strict):

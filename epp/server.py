@@ -60,7 +60,7 @@ from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
 from scorers.base import PluginContext
-from scorers.saturation import UtilizationDetector, utilization
+from scorers.saturation import ConcurrencyDetector, UtilizationDetector, utilization
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,11 @@ class EndpointPicker:
                 max_queued=options.max_queued_requests,
                 max_queue_wait=options.max_queue_wait,
             ),
-            saturation=detector.saturation if isinstance(detector, UtilizationDetector) else None,
+            saturation=(
+                detector.saturation
+                if isinstance(detector, UtilizationDetector | ConcurrencyDetector)
+                else None
+            ),
         )
         # llm-d-router's InferenceModelRewrites and InferenceObjectives, watched with the pool.
         self.rules = (
@@ -285,7 +289,7 @@ class EndpointPicker:
             )
         saturation = (
             detector.saturation
-            if isinstance(detector, UtilizationDetector)
+            if isinstance(detector, UtilizationDetector | ConcurrencyDetector)
             else lambda endpoints: utilization(endpoints, 5, 0.8, 0.2)  # its defaults
         )
         datastore = self.datastore

@@ -9,6 +9,9 @@ means what it says.
   per-endpoint state (the KV-cache views subscribe to each pod's events).
 * ``openai-parser``, ``anthropic-parser``, ``passthrough-parser``: request parsing
   (`epp.requests`), chosen by ``requestHandler.parsers`` (`epp.config_sections`).
+* ``inflight-load-producer``: the requests (and prompt tokens) each endpoint has in flight, which
+  the EPP counts as it routes and as responses end (`epp.datastore`), for
+  ``concurrency-detector``.
 * ``token-producer``: the tokenizer of the precise prefix plugins that name none
   (``modelName``); prompts are tokenized in this process with the model's tokenizer and chat
   template, as vLLM renders them, where llm-d-router asks vLLM's ``/render`` endpoint
@@ -68,6 +71,11 @@ class CoreMetricsExtractor(Plugin[CoreMetricsExtractorParameters]):
 @register("endpoint-notification-source")
 class EndpointNotificationSource(Plugin[NoParameters]):
     """Endpoints coming and going, told to the plugins that listen (built in)."""
+
+
+@register("inflight-load-producer")
+class InFlightLoadProducer(Plugin[NoParameters]):
+    """Each endpoint's requests and prompt tokens in flight (built in)."""
 
 
 @register("openai-parser")

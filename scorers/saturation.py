@@ -10,6 +10,13 @@ InferenceObjective priority) are dropped: at 1 or more (`epp.admission`).  Witho
 rule runs with its defaults.  Listed in a profile it is also a filter: it keeps the endpoints
 with fresh metrics under both thresholds (× ``1 + headroom``), or all of them when none is.
 
+``concurrency-detector`` measures it from what the EPP itself has in flight instead of scraped
+metrics (no scrape lag: a request counts from the moment it is routed): ``requests`` mode,
+requests in flight over ``maxConcurrency`` per endpoint, pool-wide; ``tokens`` mode, the prompt
+tokens they added to the pods' KV caches over ``maxTokenConcurrency``; ``hybrid``, the mean over
+endpoints of the larger ratio.  As a filter it keeps the endpoints under its limits
+(× ``1 + headroom``), and none when all are over (as upstream).
+
 ``probabilistic-admitter`` drops sheddable requests before it is saturated: with the same mean
 ``s`` (its own thresholds; metrics never scraped count as 1), with probability
 ``min(s ** power × k, 1)``.  Requests with a priority of 0 or more always pass.  A dropped
@@ -21,12 +28,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from scorers.base import Endpoint, LLMRequest, Plugin, register
+from scorers.base import Endpoint, LLMRequest, Plugin, PluginConfigError, register
 
 
 def utilization(
@@ -110,6 +117,64 @@ class UtilizationDetector(Plugin[DetectorParameters]):
             and ep.metrics.kv_cache_usage < kv_limit
         ]
         return kept or list(endpoints)
+
+
+class ConcurrencyParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    maxConcurrency: int = Field(default=100, gt=0, description="Requests per endpoint at 100 %.")
+    headroom: float = Field(default=0.0, ge=0.0, description="The filter's slack over 100 %.")
+    concurrencyMode: Literal["requests", "tokens", "hybrid"] = "requests"
+    maxTokenConcurrency: int = Field(default=1_000_000, gt=0, description="Tokens at 100 %.")
+    inFlightLoadProducerName: str = Field(
+        default="", description="The inflight-load-producer it reads (the EPP's own counts)."
+    )
+
+
+@register("concurrency-detector")
+class ConcurrencyDetector(Plugin[ConcurrencyParameters]):
+    """The pool's saturation from the EPP's own in-flight counts (module docstring)."""
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        name = self.p.inFlightLoadProducerName
+        if name and getattr(plugins.get(name), "type_name", None) != "inflight-load-producer":
+            raise PluginConfigError(
+                f"{self.type_name} {self.name!r}: parameters.inFlightLoadProducerName {name!r} "
+                "names no declared inflight-load-producer"
+            )
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        if not endpoints:
+            return 1.0
+        p = self.p
+        n = len(endpoints)
+        if p.concurrencyMode == "requests":
+            return sum(ep.load.in_flight_requests for ep in endpoints) / (n * p.maxConcurrency)
+        if p.concurrencyMode == "tokens":
+            tokens = sum(ep.load.in_flight_kv_tokens for ep in endpoints)
+            return tokens / (n * p.maxTokenConcurrency)
+        return (
+            sum(
+                max(
+                    ep.load.in_flight_requests / p.maxConcurrency,
+                    ep.load.in_flight_kv_tokens / p.maxTokenConcurrency,
+                )
+                for ep in endpoints
+            )
+            / n
+        )
+
+    def filter(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        p = self.p
+        requests_limit = int(p.maxConcurrency * (1 + p.headroom))
+        tokens_limit = int(p.maxTokenConcurrency * (1 + p.headroom))
+        mode = p.concurrencyMode
+        return [
+            ep
+            for ep in endpoints
+            if (mode == "tokens" or ep.load.in_flight_requests < requests_limit)
+            and (mode == "requests" or ep.load.in_flight_kv_tokens < tokens_limit)
+        ]
 
 
 class AdmitterParameters(BaseModel):

@@ -20,8 +20,7 @@ from epp.flow_control import (
 from scorers.base import Endpoint, LLMRequest
 from tests.scorers.plugin_helpers import endpoint
 
-# llm-d-router's test/integration/epp/wellknown_configs_test.go "flow-control" case, with a
-# utilization detector instead of its concurrency detector (not offered here).
+# llm-d-router's test/integration/epp/wellknown_configs_test.go "flow-control" case.
 FLOW_CONTROL_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -30,9 +29,10 @@ plugins:
 - type: queue-scorer
 - type: round-robin-fairness-policy
 - type: fcfs-ordering-policy
-- type: utilization-detector
+- type: concurrency-detector
+  parameters: {maxConcurrency: 132, concurrencyMode: requests, headroom: 0.0}
 flowControl:
-  saturationDetector: {pluginRef: utilization-detector}
+  saturationDetector: {pluginRef: concurrency-detector}
   maxBytes: "10Gi"
   maxRequests: "1k"
   defaultRequestTTL: "60s"
@@ -235,8 +235,8 @@ async def test_soft_reflective_ceilings_close_lower_bands_first() -> None:
     pool.saturation = 0.7  # band 1 of 2 closes at 0.5 (between 0.5 and 1 it opens 1 cycle in 2)
     text = (
         FLOW_CONTROL_CONFIG.replace(
-            "- type: utilization-detector\n",
-            "- type: utilization-detector\n- type: soft-reflective-ceiling-policy\n",
+            "- type: fcfs-ordering-policy\n",
+            "- type: fcfs-ordering-policy\n- type: soft-reflective-ceiling-policy\n",
         )
         .replace(
             "  maxBytes:",
@@ -260,11 +260,11 @@ def test_the_server_admits_through_flow_control_when_the_gate_is_on() -> None:
         ServerOptions(endpoints="127.0.0.1:8000", config_text=FLOW_CONTROL_CONFIG)
     )
     assert isinstance(picker.director.admission, FlowController)
-    # Its detector is the configured one (the queue threshold read from its parameters).
+    # Its detector is the configured one (132 requests per endpoint at 100 %).
     saturation = picker.director.admission._saturation
-    busy = endpoint("10.0.0.1:8000", waiting=10)
-    busy.metrics.updated_at, busy.metrics_age = 1.0, 0.0
-    assert saturation([busy]) == 2.0
+    busy = endpoint("10.0.0.1:8000")
+    busy.load.in_flight_requests = 66
+    assert saturation([busy]) == 0.5
     with pytest.raises(ValueError, match="--max-in-flight-per-endpoint"):
         EndpointPicker(
             ServerOptions(

@@ -146,3 +146,53 @@ def test_queueing_keys_are_logged_as_not_applied(caplog: pytest.LogCaptureFixtur
         "flowControl.enableEviction, flowControl.maxRequests: not applied" in r.message
         for r in caplog.records
     )
+
+
+def loaded(address: str, requests: int, tokens: int = 0) -> Endpoint:
+    ep = endpoint(address)
+    ep.load.in_flight_requests = requests
+    ep.load.in_flight_kv_tokens = tokens
+    return ep
+
+
+def test_the_concurrency_detector_reads_the_epps_own_in_flight_counts() -> None:
+    pods = [loaded("a:1", 60, 900_000), loaded("b:1", 20, 100_000)]
+    by_requests = make("concurrency-detector")
+    assert by_requests.saturation(pods) == pytest.approx(80 / 200)  # type: ignore[attr-defined]
+    by_tokens = make("concurrency-detector", {"concurrencyMode": "tokens"})
+    assert by_tokens.saturation(pods) == pytest.approx(1_000_000 / 2_000_000)  # type: ignore[attr-defined]
+    hybrid = make("concurrency-detector", {"concurrencyMode": "hybrid"})
+    # a: max(0.6, 0.9); b: max(0.2, 0.1): mean (0.9 + 0.2) / 2.
+    assert hybrid.saturation(pods) == pytest.approx(0.55)  # type: ignore[attr-defined]
+    assert by_requests.saturation([]) == 1.0  # type: ignore[attr-defined]
+
+
+def test_the_concurrency_filter_keeps_endpoints_under_their_limit_and_may_keep_none() -> None:
+    detector = make("concurrency-detector", {"maxConcurrency": 10, "headroom": 0.5})  # limit 15
+    calm, full = loaded("a:1", 14), loaded("b:1", 15)
+    assert detector.filter(request(), [calm, full]) == [calm]  # type: ignore[attr-defined]
+    assert detector.filter(request(), [full]) == []  # type: ignore[attr-defined]
+
+
+def test_the_concurrency_detector_names_a_declared_in_flight_producer() -> None:
+    text = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: inflight-load-producer
+- type: concurrency-detector
+  parameters: {maxConcurrency: 132, inFlightLoadProducerName: %s}
+- type: queue-scorer
+flowControl:
+  saturationDetector: {pluginRef: concurrency-detector}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer}]
+"""
+    config = load_config(text=text % "inflight-load-producer")
+    assert config.saturation_detector == "concurrency-detector"
+    build_scheduler(config, PluginContext(endpoints=StaticEndpoints([])))
+    with pytest.raises(ConfigError, match="names no declared inflight-load-producer"):
+        build_scheduler(
+            load_config(text=text % "queue-scorer"), PluginContext(endpoints=StaticEndpoints([]))
+        )
