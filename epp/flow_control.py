@@ -423,6 +423,8 @@ class FlowController:
         clock: Callable[[], float] = time.monotonic,
         on_outcome: Callable[[str, int, float], None] | None = None,
         on_saturation: Callable[[Mapping[str, float]], None] | None = None,
+        on_queue: Callable[[LLMRequest | None, int, int], None] | None = None,
+        on_capacity: Callable[[Mapping[int, tuple[float, float]]], None] | None = None,
     ) -> None:
         self.settings = settings
         self._saturation = saturation
@@ -432,6 +434,8 @@ class FlowController:
         self._clock = clock
         self._on_outcome = on_outcome  # (outcome, priority, seconds waited)
         self._on_saturation = on_saturation
+        self._on_queue = on_queue  # (request, +1/-1, ± its bytes) around its wait
+        self._on_capacity = on_capacity  # priority → (requests, bytes) used of the band's cap
         self._bands: dict[int, Band] = {}
         self._seq = itertools.count()
         self._waiting = 0
@@ -468,6 +472,8 @@ class FlowController:
                 outcome,
             )
         item = Item(next(self._seq), size, start, asyncio.get_running_loop().create_future())
+        if self._on_queue is not None:
+            self._on_queue(request, 1, size)
         queue = band.flows.setdefault(flow, Flow(flow)).items
         queue.append(item)
         band.waiting += 1
@@ -485,6 +491,8 @@ class FlowController:
             if not item.done.done():
                 item.done.cancel()
             self._remove(band, flow, item)
+            if self._on_queue is not None:
+                self._on_queue(request, -1, -size)
         self._report(outcome, priority, self._clock() - start)
         if outcome == "Dispatched":
             return candidates()
@@ -554,6 +562,16 @@ class FlowController:
         stages = stage_saturation(pool, self._saturation)
         if self._on_saturation is not None:
             self._on_saturation(stages)
+        if self._on_capacity is not None:
+            self._on_capacity(
+                {
+                    b.priority: (
+                        b.waiting / b.settings.max_requests,
+                        b.bytes / b.settings.max_bytes,
+                    )
+                    for b in self._bands.values()
+                }
+            )
         saturation = stages["effective"]
         bands = sorted(self._bands.values(), key=lambda b: -b.priority)
         ceilings = self._limit.ceilings(saturation, len(bands))

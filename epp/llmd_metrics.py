@@ -171,6 +171,38 @@ class LlmdMetrics:
             buckets=_QUEUE_BUCKETS,
             registry=r,
         )
+        queue_labels = ["fairness_id", "priority", "inference_pool", "model_name",
+                        "target_model_name"]  # fmt: skip
+        self.flow_queue_size = tuple(
+            Gauge(
+                f"{prefix}_flow_control_queue_size",
+                "Requests waiting in flow control now.",
+                queue_labels,
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+        self.flow_queue_bytes = tuple(
+            Gauge(
+                f"{prefix}_flow_control_queue_bytes",
+                "Body bytes of the requests waiting in flow control now.",
+                queue_labels,
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+        self.flow_capacity_requests = Gauge(
+            "llm_d_epp_flow_control_capacity_utilization_requests",
+            "Waiting requests over the priority band's maxRequests, at the last dispatch cycle.",
+            ["priority", "inference_pool"],
+            registry=r,
+        )
+        self.flow_capacity_bytes = Gauge(
+            "llm_d_epp_flow_control_capacity_utilization_bytes",
+            "Waiting bytes over the priority band's maxBytes, at the last dispatch cycle.",
+            ["priority", "inference_pool"],
+            registry=r,
+        )
         self.flow_saturation = Gauge(
             "llm_d_epp_flow_control_pool_saturation",
             "The pool's saturation as flow control last measured it, by stage (prefill, "

@@ -300,6 +300,8 @@ class EndpointPicker:
             lambda: datastore.routable(datastore.endpoints()),
             on_outcome=self.telemetry.flow_control_outcome,
             on_saturation=self.telemetry.flow_control_saturation,
+            on_queue=self.telemetry.flow_control_queue,
+            on_capacity=self.telemetry.flow_control_capacity,
         )
 
     async def stop(self) -> None:

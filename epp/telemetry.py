@@ -197,6 +197,24 @@ class Telemetry:
         self.llmd.flow_requests.labels(outcome, str(priority), pool).inc()
         self.llmd.flow_queue_duration.labels(str(priority), outcome, pool).observe(waited)
 
+    def flow_control_queue(self, request: LLMRequest | None, count: int, size: int) -> None:
+        """A request started (+1, +bytes) or stopped (-1, -bytes) waiting in flow control."""
+        if request is None:
+            return
+        model, target, fairness, priority = self.llmd.labels(request)
+        labels = (fairness, priority, self.pool_name, model, target)
+        for gauges, delta in (
+            (self.llmd.flow_queue_size, count),
+            (self.llmd.flow_queue_bytes, size),
+        ):
+            for gauge in gauges:
+                gauge.labels(*labels).inc(delta)
+
+    def flow_control_capacity(self, bands: Mapping[int, tuple[float, float]]) -> None:
+        for priority, (requests, size) in bands.items():
+            self.llmd.flow_capacity_requests.labels(str(priority), self.pool_name).set(requests)
+            self.llmd.flow_capacity_bytes.labels(str(priority), self.pool_name).set(size)
+
     def flow_control_saturation(self, stages: Mapping[str, float]) -> None:
         for stage, value in stages.items():
             self.llmd.flow_saturation.labels(self.pool_name, stage).set(value)

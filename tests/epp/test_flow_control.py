@@ -273,3 +273,51 @@ def test_the_server_admits_through_flow_control_when_the_gate_is_on() -> None:
                 max_in_flight_per_endpoint=4,
             )
         )
+
+
+async def test_flow_control_metrics_follow_the_queue() -> None:
+    from epp.telemetry import Telemetry
+
+    telemetry = Telemetry(pool_name="pool")
+    pool = Pool()
+    pool.saturation = 1.0
+    config = load_config(text=FLOW_CONTROL_CONFIG)
+    fc = build_flow_controller(
+        config.flow_control_settings,
+        {},
+        lambda endpoints: pool.saturation,
+        pool,
+        on_outcome=telemetry.flow_control_outcome,
+        on_saturation=telemetry.flow_control_saturation,
+        on_queue=telemetry.flow_control_queue,
+        on_capacity=telemetry.flow_control_capacity,
+    )
+    value = telemetry.registry.get_sample_value
+    labels = {
+        "fairness_id": "tenant-a",
+        "priority": "-10",
+        "inference_pool": "pool",
+        "model_name": "m",
+        "target_model_name": "m",
+    }
+    waiting = asyncio.ensure_future(fc.admit(pool, request=req(-10, "tenant-a", size=300)))
+    await asyncio.sleep(0.02)
+    assert value("llm_d_epp_flow_control_queue_size", labels) == 1
+    assert value("inference_extension_flow_control_queue_size", labels) == 1
+    assert value("llm_d_epp_flow_control_queue_bytes", labels) == 300
+    # Band -10 holds 50 requests: one waiting is 2 % of it.
+    band = {"priority": "-10", "inference_pool": "pool"}
+    assert value("llm_d_epp_flow_control_capacity_utilization_requests", band) == 0.02
+    effective = {"inference_pool": "pool", "stage": "effective"}
+    assert value("llm_d_epp_flow_control_pool_saturation", effective) == 1.0
+    pool.saturation = 0.0
+    await asyncio.wait_for(waiting, 1.0)
+    assert value("llm_d_epp_flow_control_queue_size", labels) == 0
+    assert value("llm_d_epp_flow_control_queue_bytes", labels) == 0
+    assert (
+        value(
+            "llm_d_epp_flow_control_requests_total",
+            {"outcome": "Dispatched", "priority": "-10", "inference_pool": "pool"},
+        )
+        == 1
+    )
