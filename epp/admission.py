@@ -40,9 +40,10 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol
+from typing import ClassVar, Final, Literal, Protocol
 
 from scorers.base import AllEndpointsFilteredError, Endpoint, LLMRequest
+from scorers.saturation import DEFAULT_KV_UTILIZATION, DEFAULT_QUEUE_DEPTH, utilization
 
 DROPPED_REASON_HEADER: Final = "x-epp-request-dropped-reason"
 REJECTED_SATURATED: Final = "rejected-saturated"
@@ -58,6 +59,7 @@ class PoolSaturatedError(AllEndpointsFilteredError):
     """Every candidate endpoint is at its in-flight limit; answered with 429 and a reason."""
 
     http_status = 429
+    dropped_reason_header: ClassVar[str] = DROPPED_REASON_HEADER
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -66,7 +68,7 @@ class PoolSaturatedError(AllEndpointsFilteredError):
     @property
     def response_headers(self) -> tuple[tuple[str, str], ...]:
         """Extra headers of the ImmediateResponse (read by ``epp.extproc``)."""
-        return ((DROPPED_REASON_HEADER, self.dropped_reason),)
+        return ((self.dropped_reason_header, self.dropped_reason),)
 
 
 class Admission(Protocol):
@@ -112,27 +114,18 @@ class AdmissionSettings:
         return self.max_in_flight_per_endpoint is not None
 
 
-# llm-d-router's utilization-detector defaults: a pool is saturated when the mean over its
-# endpoints of max(waiting / 5, KV usage / 0.8) reaches 1, stale metrics counting as 1.
-_QUEUE_SATURATED: Final = 5
-_KV_SATURATED: Final = 0.8
-
-
 def pool_saturated(candidates: Sequence[Endpoint]) -> bool:
-    """Whether sheddable requests are dropped with admission limits off (as upstream, where
-    an empty pool counts as saturated)."""
-    if not candidates:
-        return True
-    load = [
-        1.0
-        if ep.metrics_stale
-        else max(
-            ep.metrics.waiting_requests / _QUEUE_SATURATED,
-            ep.metrics.kv_cache_usage / _KV_SATURATED,
-        )
-        for ep in candidates
-    ]
-    return sum(load) / len(load) >= 1.0
+    """Whether sheddable requests are dropped with admission limits off: llm-d-router's
+    utilization-detector with its defaults, metrics stale by the datastore's
+    ``--saturation-staleness`` (an empty pool counts as saturated, as upstream)."""
+    load = utilization(
+        candidates,
+        DEFAULT_QUEUE_DEPTH,
+        DEFAULT_KV_UTILIZATION,
+        None,
+        is_stale=lambda ep: ep.metrics_stale,
+    )
+    return load >= 1.0
 
 
 def endpoint_load(endpoint: Endpoint) -> int:

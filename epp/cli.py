@@ -27,7 +27,7 @@ from epp.scraping import (
 from epp.server import ServerOptions, serve
 from epp.upstream_flags import add_flags, configure_logging, normalized_argv, notes
 from kvcache.api import client as kv_client
-from scorers.base import Endpoint, PluginContext
+from scorers.base import NoEndpoints, PluginContext
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 
@@ -294,21 +294,13 @@ def _options(args: argparse.Namespace) -> ServerOptions:
 
 def check_config(path: str, allow_experimental_plugins: bool = False) -> int:
     config = load_config(path)
-    context = PluginContext(endpoints=_NoEndpoints())
+    context = PluginContext(endpoints=NoEndpoints())
     scheduler = build_scheduler(
         config, context, allow_experimental_plugins=allow_experimental_plugins
     )
     profiles = ", ".join(scheduler.profile_names)
     print(f"{path}: OK ({len(scheduler.plugins)} plugins; profiles: {profiles})")
     return 0
-
-
-class _NoEndpoints:
-    def endpoints(self) -> list[Endpoint]:
-        return []
-
-    def get(self, address: str) -> Endpoint | None:
-        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,13 +42,14 @@ from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import scorers  # noqa: F401  (registers the built-in plugin types)
 from epp.config_sections import (
     DataLayerSpec,
     FlowControlSpec,
     PluginRef,
+    PluginSpec,
     RequestHandlerSpec,
     SaturationDetectorSpec,
     data_layer_problems,
@@ -146,27 +147,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PluginSpec(_Strict):
-    """One plugin instance: ``type`` is a registered type name; ``name`` (default: the type)
-    is what profiles reference; ``parameters`` are validated by the type's own model."""
-
-    name: str = Field(min_length=1)
-    type: str = Field(min_length=1)
-    parameters: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _name_defaults_to_type(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("name") is None and "type" in data:
-            return {**data, "name": data["type"]}
-        return data
-
-    @field_validator("parameters", mode="before")
-    @classmethod
-    def _null_parameters_are_empty(cls, value: Any) -> Any:
-        return {} if value is None else value
-
-
 class ProfilePluginRef(_Strict):
     """A plugin used by a profile; ``weight`` applies to scorers (float ≥ 0, default 1)."""
 
@@ -201,6 +181,11 @@ class EndpointPickerConfig(_Strict):
     saturationDetector: SaturationDetectorSpec | None = None  # deprecated: flowControl's
 
     @property
+    def plugin_types(self) -> dict[str, str]:
+        """Declared plugin name → type."""
+        return {spec.name: spec.type for spec in self.plugins}
+
+    @property
     def flow_control_enabled(self) -> bool:
         """The ``flowControl`` feature gate."""
         return feature_gates(self.featureGates)[0]["flowControl"]
@@ -208,20 +193,17 @@ class EndpointPickerConfig(_Strict):
     @property
     def flow_control_settings(self) -> FlowControlSettings:
         """The ``flowControl`` section as `epp.flow_control` runs it (gate on)."""
-        types = {spec.name: spec.type for spec in self.plugins}
-        return flow_control_settings(self.flowControl, types)
+        return flow_control_settings(self.flowControl, self.plugin_types)
 
     @property
     def saturation_detector(self) -> str | None:
         """The name of the plugin that says when sheddable requests are dropped, if named."""
-        types = {spec.name: spec.type for spec in self.plugins}
-        return saturation_detector(self.flowControl, self.saturationDetector, types)[0]
+        return saturation_detector(self.flowControl, self.saturationDetector, self.plugin_types)[0]
 
     @property
     def parser_types(self) -> tuple[str, ...]:
         """The request parsers that run (``requestHandler.parsers``; all by default)."""
-        types = {spec.name: spec.type for spec in self.plugins}
-        return parser_types(self.requestHandler, self.parser, types)[0]
+        return parser_types(self.requestHandler, self.parser, self.plugin_types)[0]
 
     @field_validator("plugins", "schedulingProfiles", "featureGates", mode="before")
     @classmethod

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,27 @@ _EXTRACTORS: Final[Mapping[str, tuple[str, ...]]] = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class PluginSpec(_Strict):
+    """One plugin instance: ``type`` is a registered type name; ``name`` (default: the type)
+    is what profiles reference; ``parameters`` are validated by the type's own model."""
+
+    name: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_defaults_to_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("name") is None and "type" in data:
+            return {**data, "name": data["type"]}
+        return data
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters_are_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
 
 
 class PluginRef(_Strict):
@@ -130,8 +151,8 @@ class SaturationDetectorSpec(_Strict):
 
 
 def with_inline_detector(
-    plugins: Sequence[Any], spec: SaturationDetectorSpec | None
-) -> tuple[list[Any], SaturationDetectorSpec | None]:
+    plugins: Sequence[PluginSpec], spec: SaturationDetectorSpec | None
+) -> tuple[list[PluginSpec], SaturationDetectorSpec | None]:
     """A top-level ``saturationDetector`` with thresholds becomes a declared
     ``utilization-detector`` with them as parameters, and the section a reference to it."""
     if spec is None or not spec.inline():
@@ -142,12 +163,7 @@ def with_inline_detector(
     name, suffix = "utilization-detector", 2
     while name in names:
         name, suffix = f"utilization-detector-{suffix}", suffix + 1
-    spec_type = type(plugins[0]) if plugins else None
-    if spec_type is None:
-        from epp.config import PluginSpec  # the plugin spec model lives with the document
-
-        spec_type = PluginSpec
-    detector = spec_type(name=name, type="utilization-detector", parameters=spec.inline())
+    detector = PluginSpec(name=name, type="utilization-detector", parameters=spec.inline())
     return [*plugins, detector], SaturationDetectorSpec(pluginRef=name)
 
 
@@ -301,7 +317,7 @@ def with_prefix_producer(plugins: Sequence[Any]) -> list[Any]:
     return out
 
 
-def with_decider_producer(plugins: Sequence[Any]) -> list[Any]:
+def with_decider_producer(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
     """``plugins`` with an ``approx-prefix-cache-producer`` added when a
     ``prefix-based-pd-decider`` is declared and no prefix producer is: the decider needs to
     know what the decode pod holds, and llm-d-router creates that producer for it too."""
@@ -313,8 +329,7 @@ def with_decider_producer(plugins: Sequence[Any]) -> list[Any]:
     name, suffix = default, 2
     while name in names:  # the decider reads any producer's match, whatever its name
         name, suffix = f"{default}-{suffix}", suffix + 1
-    spec_type = type(plugins[0])
-    return [*plugins, spec_type(name=name, type=default)]
+    return [*plugins, PluginSpec(name=name, type=default)]
 
 
 def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:

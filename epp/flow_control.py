@@ -45,21 +45,24 @@ from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from epp.admission import PoolSaturatedError
+from epp.llmd_metrics import DEFAULT_FAIRNESS_ID, fairness_id
+from kvcache.settings import parse_duration
 from scorers.base import (
-    AllEndpointsFilteredError,
     Endpoint,
     LLMRequest,
+    NoEndpoints,
     NoParameters,
     NoReadyEndpointsError,
     Plugin,
     PluginConfigError,
+    PluginContext,
+    create_plugin,
     register,
 )
 from scorers.filters import ROLE_LABEL
 
 DROPPED_REASON_HEADER: Final = "x-llm-d-request-dropped-reason"
-FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-DEFAULT_FLOW: Final = "default-flow"
 DEFAULT_TTL_S: Final = 60.0
 DEFAULT_BAND_REQUESTS: Final = 5000
 DEFAULT_BAND_BYTES: Final = 1_000_000_000
@@ -75,19 +78,14 @@ Outcome = Literal[
 ]
 
 
-class FlowControlRejected(AllEndpointsFilteredError):
-    """429 with llm-d-router's dropped reason."""
+class FlowControlRejected(PoolSaturatedError):
+    """429 with llm-d-router's dropped reason, under llm-d-router's header name."""
 
-    http_status = 429
+    dropped_reason_header = DROPPED_REASON_HEADER
 
     def __init__(self, message: str, reason: str, outcome: Outcome) -> None:
-        super().__init__(message)
-        self.dropped_reason = reason
+        super().__init__(message, reason)
         self.outcome = outcome
-
-    @property
-    def response_headers(self) -> tuple[tuple[str, str], ...]:
-        return ((DROPPED_REASON_HEADER, self.dropped_reason),)
 
 
 class FlowControlNoEndpoints(NoReadyEndpointsError):
@@ -112,8 +110,6 @@ _SUFFIX: Final = {
     None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
 }  # fmt: skip
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
-_UNIT_S: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def quantity(value: Any, what: str) -> int:
@@ -134,11 +130,12 @@ def quantity(value: Any, what: str) -> int:
 
 def duration(value: Any, what: str) -> float:
     """A Go duration (``60s``, ``1m30s``, ``500ms``) in seconds, >= 0."""
-    text = str(value).strip()
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"{what}: {value!r} is not a duration such as 60s, 1m30s or 500ms")
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ValueError(
+            f"{what}: {value!r} is not a duration such as 60s, 1m30s or 500ms"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,13 +376,6 @@ class Band:
     last_flow: str | None = None
 
 
-def fairness_id(request: LLMRequest) -> str:
-    for header in FAIRNESS_HEADERS:
-        if value := request.headers.get(header):
-            return value
-    return DEFAULT_FLOW
-
-
 def stage_saturation(
     endpoints: Sequence[Endpoint], saturation: Callable[[Sequence[Endpoint]], float]
 ) -> dict[str, float]:
@@ -454,7 +444,7 @@ class FlowController:
         """Wait in the request's band until dispatched; the candidates then.  Raises
         `FlowControlRejected` (429) or `FlowControlNoEndpoints` (503) with the reason."""
         priority = request.priority if request is not None else 0
-        flow = fairness_id(request) if request is not None else DEFAULT_FLOW
+        flow = fairness_id(request) if request is not None else DEFAULT_FAIRNESS_ID
         size = request.body_bytes if request is not None else 0
         band = self._band(priority)
         start = self._clock()
@@ -542,6 +532,10 @@ class FlowController:
         if queue is None or item not in queue.items:
             return
         queue.items.remove(item)
+        self._forget(band, item)
+
+    def _forget(self, band: Band, item: Item) -> None:
+        """The counts, once ``item`` left its band's queue."""
         band.waiting -= 1
         band.bytes -= item.size
         self._waiting -= 1
@@ -550,15 +544,12 @@ class FlowController:
     def _dispatch(self) -> None:
         """One dispatch cycle (module docstring): at most one request leaves per cycle, as
         upstream, so the pool's measured load can catch up between dispatches."""
-        if self._waiting:
-            self._dispatch_one()
-
-    def _dispatch_one(self) -> bool:
+        if not self._waiting:
+            return
         pool = self._pool()
-        now = self._clock()
-        self._expire(now, empty=not pool)
-        if not pool or not self._waiting:
-            return False
+        self._expire(self._clock(), empty=not pool)
+        if not pool:
+            return
         stages = stage_saturation(pool, self._saturation)
         if self._on_saturation is not None:
             self._on_saturation(stages)
@@ -577,7 +568,7 @@ class FlowController:
         ceilings = self._limit.ceilings(saturation, len(bands))
         for band, ceiling in zip(bands, ceilings, strict=True):
             if saturation >= ceiling:
-                return False  # head-of-line: lower bands wait too
+                return  # head-of-line: lower bands wait too
             if not band.waiting:
                 continue
             policy = self._fairness.get(band.settings.fairness)
@@ -585,14 +576,10 @@ class FlowController:
             if flow is None:
                 continue
             item = flow.items.popleft()
-            band.waiting -= 1
-            band.bytes -= item.size
-            self._waiting -= 1
-            self._bytes -= item.size
+            self._forget(band, item)
             if not item.done.done():
                 item.done.set_result("Dispatched")
-            return True
-        return False
+            return
 
     def _expire(self, now: float, *, empty: bool) -> None:
         ttl = self.settings.no_endpoint_ttl if empty else self.settings.ttl
@@ -601,8 +588,11 @@ class FlowController:
         outcome: Outcome = "EvictedNoEndpoints" if empty else "EvictedTTL"
         for band in self._bands.values():
             for flow in band.flows.values():
-                for item in list(flow.items):
-                    if now - item.enqueued_at >= ttl and not item.done.done():
+                # A flow's requests are in arrival order: the expired ones lead it.
+                for item in flow.items:
+                    if now - item.enqueued_at < ttl:
+                        break
+                    if not item.done.done():
                         item.done.set_result(outcome)
 
     def _ensure_ticker(self) -> None:
@@ -635,9 +625,7 @@ def build_flow_controller(
 ) -> FlowController:
     """The controller with the configured policy instances (``plugins``: name → instance; the
     default policies are made when not declared, as upstream injects them)."""
-    from scorers.base import PluginContext, create_plugin
-
-    context = PluginContext(endpoints=_NoEndpoints())
+    context = PluginContext(endpoints=NoEndpoints())
 
     def instance(name: str) -> object:
         found = plugins.get(name)
@@ -658,11 +646,3 @@ def build_flow_controller(
             raise PluginConfigError(f"{band.fairness!r} is not a fairness policy")
         fairness[band.fairness] = policy
     return FlowController(settings, saturation, limit, fairness, pool, **kwargs)
-
-
-class _NoEndpoints:
-    def endpoints(self) -> list[Endpoint]:
-        return []
-
-    def get(self, address: str) -> Endpoint | None:
-        return None

@@ -203,18 +203,15 @@ class LlmdMetrics:
             ["priority", "inference_pool"],
             registry=r,
         )
-        self.flow_saturation = Gauge(
-            "llm_d_epp_flow_control_pool_saturation",
-            "The pool's saturation as flow control last measured it, by stage (prefill, "
-            "decode, effective).",
-            ["inference_pool", "stage"],
-            registry=r,
-        )
-        self.flow_saturation_deprecated = Gauge(
-            "inference_extension_flow_control_pool_saturation",
-            "Deprecated name of llm_d_epp_flow_control_pool_saturation.",
-            ["inference_pool", "stage"],
-            registry=r,
+        self.flow_saturation = tuple(
+            Gauge(
+                f"{prefix}_flow_control_pool_saturation",
+                "The pool's saturation as flow control last measured it, by stage (prefill, "
+                "decode, effective).",
+                ["inference_pool", "stage"],
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
         )
 
     def disagg_decided(self, request: LLMRequest) -> None:

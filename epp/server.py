@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import grpc
 from aiohttp import web
@@ -59,8 +60,7 @@ from epp.telemetry import Telemetry
 from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
-from scorers.base import PluginContext
-from scorers.saturation import ConcurrencyDetector, UtilizationDetector, utilization
+from scorers.base import PluginContext, SaturationDetector, create_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class EndpointPicker:
             on_plugin_duration=self.telemetry.observe_plugin,
             allow_experimental_plugins=bool(options.allow_experimental_plugins),
         )
-        detector = self.scheduler.plugin(config.saturation_detector or "")
+        configured = self.scheduler.plugin(config.saturation_detector or "")
+        detector = configured if isinstance(configured, SaturationDetector) else None
         self.admission = AdmissionController(
             AdmissionSettings(
                 max_in_flight_per_endpoint=options.max_in_flight_per_endpoint,
@@ -139,11 +140,7 @@ class EndpointPicker:
                 max_queued=options.max_queued_requests,
                 max_queue_wait=options.max_queue_wait,
             ),
-            saturation=(
-                detector.saturation
-                if isinstance(detector, UtilizationDetector | ConcurrencyDetector)
-                else None
-            ),
+            saturation=detector.saturation if detector is not None else None,
         )
         # llm-d-router's InferenceModelRewrites and InferenceObjectives, watched with the pool.
         self.rules = (
@@ -277,7 +274,7 @@ class EndpointPicker:
         )
 
     def _flow_control(
-        self, config: EndpointPickerConfig, detector: object
+        self, config: EndpointPickerConfig, detector: SaturationDetector | None
     ) -> FlowController | None:
         """llm-d-router's flow control when the configuration's ``flowControl`` gate is on."""
         if not config.flow_control_enabled:
@@ -287,16 +284,16 @@ class EndpointPicker:
                 "featureGates: flowControl queues requests by the pool's saturation; "
                 "--max-in-flight-per-endpoint is the other admission control: use one"
             )
-        saturation = (
-            detector.saturation
-            if isinstance(detector, UtilizationDetector | ConcurrencyDetector)
-            else lambda endpoints: utilization(endpoints, 5, 0.8, 0.2)  # its defaults
-        )
+        if detector is None:  # upstream injects a utilization-detector with its defaults
+            detector = cast(
+                SaturationDetector,
+                create_plugin("utilization-detector", "utilization-detector", None, self.context),
+            )
         datastore = self.datastore
         return build_flow_controller(
             config.flow_control_settings,
             {getattr(p, "name", ""): p for p in self.scheduler.plugins},
-            saturation,
+            detector.saturation,
             lambda: datastore.routable(datastore.endpoints()),
             on_outcome=self.telemetry.flow_control_outcome,
             on_saturation=self.telemetry.flow_control_saturation,

@@ -217,8 +217,8 @@ class Telemetry:
 
     def flow_control_saturation(self, stages: Mapping[str, float]) -> None:
         for stage, value in stages.items():
-            self.llmd.flow_saturation.labels(self.pool_name, stage).set(value)
-            self.llmd.flow_saturation_deprecated.labels(self.pool_name, stage).set(value)
+            for gauge in self.llmd.flow_saturation:
+                gauge.labels(self.pool_name, stage).set(value)
 
     def first_byte(self, request: LLMRequest, seconds: float) -> None:
         labels = self.llmd.labels(request)

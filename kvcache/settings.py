@@ -14,21 +14,25 @@ from kvcache import llmd_settings
 
 logger = logging.getLogger(__name__)
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_DURATION_PART = re.compile(_NUMBER + r"(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(value: object) -> float:
-    """Seconds from a number or a Go-style duration string (``"2s"``, ``"500ms"``, ``"1m"``),
-    as llm-d writes ``speculativeTTL``."""
+    """Seconds from a number or a Go duration string (``"2s"``, ``"500ms"``, ``"1m30s"``), as
+    llm-d writes ``speculativeTTL`` and llm-d-router its detector and flow-control durations."""
     if isinstance(value, bool):
         raise ValueError("expected seconds or a duration such as '2s' or '500ms'")
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, str):
-        match = _DURATION.match(value)
-        if match:
-            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        text = "".join(value.split())
+        if re.fullmatch(_NUMBER, text):
+            return float(text)
+        parts = _DURATION_PART.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     raise ValueError(f"expected seconds or a duration such as '2s' or '500ms', got {value!r}")
 
 

@@ -285,6 +285,17 @@ class EndpointSource(Protocol):
     def get(self, address: str) -> Endpoint | None: ...
 
 
+class NoEndpoints:
+    """An `EndpointSource` with no endpoint (checking a configuration, building plugins that
+    need a context but no pool)."""
+
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def get(self, address: str) -> Endpoint | None:
+        return None
+
+
 @dataclass(slots=True)
 class PluginContext:
     """Services a plugin may use.  Tests and the routing benchmark build it with their own
@@ -421,6 +432,16 @@ class Admitter(Protocol):
     name: str
 
     def admit(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None: ...
+
+
+@runtime_checkable
+class SaturationDetector(Protocol):
+    """How full a set of endpoints is, 1.0 meaning saturated (llm-d-router's
+    SaturationDetector): the ``utilization-detector`` and ``concurrency-detector``."""
+
+    name: str
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float: ...
 
 
 @runtime_checkable

@@ -100,10 +100,9 @@ def decision_type(encode: bool, prefill: bool) -> DecisionType:
 
 
 def host_port(endpoint: Endpoint) -> str:
-    """``ip:port`` as Go's ``net.JoinHostPort`` writes it (IPv6 in brackets)."""
-    host, _, port = endpoint.address.rpartition(":")
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """``ip:port`` as Go's ``net.JoinHostPort`` writes it (IPv6 in brackets): an endpoint's
+    address already is (`epp.datastore.EndpointSpec`)."""
+    return endpoint.address
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,21 +164,26 @@ class PrefixBasedPDDecider(Plugin[PrefixDeciderParameters]):
     and the part the chosen decode pod does not hold is at least ``nonCachedTokens``."""
 
     def disaggregate(self, request: LLMRequest, decode: Endpoint | None) -> bool:
-        threshold = self.p.nonCachedTokens
-        if threshold == 0 or decode is None:
-            return False
-        prompt = request.prompt_tokens
-        if prompt < self.p.promptTokens or prompt < threshold:
-            return False
-        cached = cached_tokens_on(request, decode.address)
-        if cached is None:
-            logger.debug(
-                "request %s: %s: no prefix plugin matched the prompt; decode only",
-                request.request_id,
-                self.name,
-            )
-            return False
-        return prompt - cached >= threshold
+        return uncached_on_decode(request, decode, self.p.nonCachedTokens, self.p.promptTokens) > 0
+
+
+def uncached_on_decode(
+    request: LLMRequest, decode: Endpoint | None, threshold: int, min_prompt: int = 0
+) -> int:
+    """The prompt tokens ``decode`` does not hold when ``prefix-based-pd-decider``'s rule
+    would disaggregate the request (the prompt at least ``threshold`` and ``min_prompt``
+    tokens, that many or more of them uncached), else 0."""
+    if threshold == 0 or decode is None:
+        return 0
+    prompt = request.prompt_tokens
+    if prompt < min_prompt or prompt < threshold:
+        return 0
+    cached = cached_tokens_on(request, decode.address)
+    if cached is None:
+        logger.debug("request %s: no prefix plugin matched the prompt", request.request_id)
+        return 0
+    uncached = prompt - cached
+    return uncached if uncached >= threshold else 0
 
 
 class LoadAwareDeciderParameters(BaseModel):
@@ -202,17 +206,11 @@ class LoadAwarePDDecider(Plugin[LoadAwareDeciderParameters]):
     keep up take every long enough prompt, and busy ones are not queued behind."""
 
     def disaggregate(self, request: LLMRequest, decode: Endpoint | None) -> bool:
-        threshold = self.p.nonCachedTokens
-        if threshold == 0 or decode is None:
+        uncached = uncached_on_decode(request, decode, self.p.nonCachedTokens)
+        if not uncached or decode is None:
             return False
+        local = uncached + decode.load.in_flight_prefill_tokens
         prompt = request.prompt_tokens
-        cached = cached_tokens_on(request, decode.address)
-        if prompt < threshold or cached is None:
-            return False
-        local = prompt - cached
-        if local < threshold:
-            return False
-        local += decode.load.in_flight_prefill_tokens
         remote = None
         for endpoint in self.context.endpoints.endpoints():
             if endpoint.labels.get(ROLE_LABEL) not in PREFILL_ROLES:
@@ -513,7 +511,7 @@ class DataParallelProfileHandler(Plugin[DataParallelParameters]):
             raise AllEndpointsFilteredError(f"scheduling profile {name!r} chose no endpoint")
         port = self.p.primaryPort
         request.set_headers[DATA_PARALLEL_HEADER] = host_port(result.targets[0])
-        destinations = tuple(f"{host_port(e).rpartition(':')[0]}:{port}" for e in result.targets)
+        destinations = tuple(f"{e.address.rpartition(':')[0]}:{port}" for e in result.targets)
         return SchedulingResult(
             primary_profile=name, profiles={name: result}, destinations=destinations
         )

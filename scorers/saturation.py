@@ -27,13 +27,16 @@ every admitter's denial as an internal error).
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvcache.settings import parse_duration
 from scorers.base import Endpoint, LLMRequest, Plugin, PluginConfigError, register
+
+DEFAULT_QUEUE_DEPTH: Final = 5
+DEFAULT_KV_UTILIZATION: Final = 0.8
 
 
 def utilization(
@@ -41,16 +44,22 @@ def utilization(
     queue_threshold: float,
     kv_threshold: float,
     staleness: float | None,
+    *,
+    is_stale: Callable[[Endpoint], bool] | None = None,
 ) -> float:
-    """The detector's saturation of ``endpoints`` (module docstring); ``staleness`` None counts
-    only never-scraped endpoints as full."""
+    """The detector's saturation of ``endpoints`` (module docstring): an endpoint never
+    scraped, or (``staleness`` seconds, or ``is_stale`` when given) scraped too long ago,
+    counts as full."""
     if not endpoints:
         return 1.0
     total = 0.0
     for ep in endpoints:
-        stale = ep.metrics.updated_at is None or (
-            staleness is not None and ep.metrics_age > staleness
-        )
+        if is_stale is not None:
+            stale = is_stale(ep)
+        else:
+            stale = ep.metrics.updated_at is None or (
+                staleness is not None and ep.metrics_age > staleness
+            )
         total += (
             1.0
             if stale
@@ -62,23 +71,15 @@ def utilization(
     return total / len(endpoints)
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
-
-
-def parse_duration(text: str) -> float:
-    """A Go duration of one unit (``200ms``, ``1.5s``, ``2m``) in seconds."""
-    match = _DURATION.match(text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration such as 200ms, 1s or 2m")
-    value, unit = float(match.group(1)), match.group(2)
-    return value * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
-
-
 class DetectorParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    queueDepthThreshold: int = Field(default=5, gt=0, description="Waiting requests at 100 %.")
-    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0, le=1.0, description="KV use at 100 %.")
+    queueDepthThreshold: int = Field(
+        default=DEFAULT_QUEUE_DEPTH, gt=0, description="Waiting requests at 100 %."
+    )
+    kvCacheUtilThreshold: float = Field(
+        default=DEFAULT_KV_UTILIZATION, gt=0.0, le=1.0, description="KV use at 100 %."
+    )
     metricsStalenessThreshold: str = Field(
         default="200ms", description="Older metrics count as saturated (a Go duration)."
     )
@@ -180,8 +181,8 @@ class ConcurrencyDetector(Plugin[ConcurrencyParameters]):
 class AdmitterParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    queueDepthThreshold: int = Field(default=5, gt=0)
-    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0)
+    queueDepthThreshold: int = Field(default=DEFAULT_QUEUE_DEPTH, gt=0)
+    kvCacheUtilThreshold: float = Field(default=DEFAULT_KV_UTILIZATION, gt=0.0)
     power: float = Field(default=5.0, gt=0.0)
     k: float = Field(default=300.0, gt=0.0)
 

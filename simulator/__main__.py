@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import get_args
@@ -29,7 +27,7 @@ from indexer.hashing import HashAlgo
 from indexer.tokenization import PromptTokenizer, load_hf_tokenizer
 from simulator.engine_config import EngineConfig, EngineError
 from simulator.profiles import PROFILES, Profile, ProfileError, get_profile
-from simulator.server import SimulatedPod
+from simulator.server import SimulatedPod, until_signalled
 from simulator.server_config import FaultConfig, ServerConfig, SimulatorError
 
 logger = logging.getLogger("simulator")
@@ -364,13 +362,8 @@ async def serve(pod: SimulatedPod) -> None:
         f"replay={config.replay_endpoint or 'off'} topic={config.topic}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         await pod.stop()
 

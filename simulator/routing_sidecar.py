@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
-import signal
 import sys
 import uuid
 from collections.abc import Mapping
@@ -34,6 +32,8 @@ from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
+
+from simulator.server import until_signalled
 
 logger = logging.getLogger("routing-sidecar")
 
@@ -264,13 +264,8 @@ async def _serve(sidecar: RoutingSidecar) -> None:
         f"(data-parallel size {sidecar.data_parallel_size})",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         await sidecar.stop()
 

@@ -16,8 +16,10 @@ words generated text is made of).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -98,6 +100,16 @@ def _handles_errors(handler: _Handler) -> _Handler:
 
 def _error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(error_body(status, message, kind), status=status)
+
+
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM: a simulated server's (or sidecar's) lifetime."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 class SimulatedPod:

@@ -18,7 +18,7 @@ from launcher.ports import LOOPBACK, reserve_ports
 from launcher.processes import PodPorts, pod_command, spawn, stop_process, wait_http
 from launcher.stack import MODEL, Stack
 from launcher.traffic import words
-from tests.support.llmd_samples import PD_EPP_CONFIG
+from tests.support.llmd_samples import DP_EPP_CONFIG, PD_EPP_CONFIG
 
 pytestmark = pytest.mark.slow
 
@@ -207,31 +207,13 @@ def dp_pod(
             }
             for r, address in enumerate(ranks)
         ]
-        # The sample's plugins plus the precise prefix scorer, so a rank's own KV events
-        # (published on its offset port) decide.
-        config = f"""\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: prefix-cache-scorer
-- type: precise-prefix-cache-scorer
-  parameters:
-    tokenizer: {llama3_tokenizer_dir}
-- type: decode-filter
-- type: max-score-picker
-- type: data-parallel-profile-handler
-  parameters:
-    primaryPort: {sidecar_base}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 2
-"""
+        # The sample with the pods' primary port, plus the precise prefix scorer so a rank's
+        # own KV events (published on its offset port) decide.
+        config = DP_EPP_CONFIG.replace("primaryPort: 8000", f"primaryPort: {sidecar_base}").replace(
+            "- type: decode-filter\n",
+            f"- type: precise-prefix-cache-scorer\n  parameters:\n    tokenizer: "
+            f"{llama3_tokenizer_dir}\n- type: decode-filter\n",
+        ) + ("  - pluginRef: precise-prefix-cache-scorer\n    weight: 2\n")
         with Stack.start(work, None, pods=0, config=config, extra_endpoints=endpoints) as stack:
             yield stack, ranks, vllm_base
     finally:

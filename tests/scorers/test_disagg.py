@@ -29,7 +29,7 @@ from scorers.disagg import (
 )
 from scorers.request_data import PREFIX_MATCHED_TOKENS, PrefixMatchInfo, prefix_match_info_key
 from tests.scorers.plugin_helpers import StaticEndpoints, endpoint, make, request
-from tests.support.llmd_samples import PD_EPP_CONFIG, SIM_E_P_D_EPP_CONFIG
+from tests.support.llmd_samples import DP_EPP_CONFIG, PD_EPP_CONFIG, SIM_E_P_D_EPP_CONFIG
 
 PD_CONFIG = PD_EPP_CONFIG
 PD_HANDLER_PARAMETERS = "    deciders:\n      prefill: prefix-based-pd-decider\n"
@@ -37,28 +37,11 @@ HANDLER_INDEX = 6  # plugins[6] is the disagg-profile-handler in PD_CONFIG
 
 EPD_CONFIG = SIM_E_P_D_EPP_CONFIG
 
-# llm-d-router's deploy/config/dp-epp-config.yaml.
-DP_CONFIG = """\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: prefix-cache-scorer
-- type: decode-filter
-- type: max-score-picker
-- type: queue-scorer
-- type: data-parallel-profile-handler
-  parameters:
-    primaryPort: 8000
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: decode-filter
-  - pluginRef: max-score-picker
-  - pluginRef: prefix-cache-scorer
-    weight: 2
-  - pluginRef: queue-scorer
-    weight: 1
-"""
+# llm-d-router's deploy/config/dp-epp-config.yaml with a queue scorer, so picks among ranks are
+# deterministic.
+DP_CONFIG = DP_EPP_CONFIG.replace(
+    "- type: max-score-picker\n", "- type: max-score-picker\n- type: queue-scorer\n"
+) + ("  - pluginRef: queue-scorer\n    weight: 1\n")
 
 ROLE = "llm-d.ai/role"
 

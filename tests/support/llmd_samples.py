@@ -146,3 +146,25 @@ schedulingProfiles:
   plugins:
   - pluginRef: random-picker
 """
+
+# deploy/config/dp-epp-config.yaml
+DP_EPP_CONFIG: Final = """\
+# Sample EPP configuration for running with Data Parallel
+#
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: decode-filter
+- type: max-score-picker
+- type: data-parallel-profile-handler
+  parameters:
+    primaryPort: 8000
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: max-score-picker
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+"""
