@@ -18,7 +18,14 @@ from launcher.ports import LOOPBACK, reserve_ports
 from launcher.processes import PodPorts, pod_command, spawn, stop_process, wait_http
 from launcher.stack import MODEL, Stack
 from launcher.traffic import words
-from tests.support.llmd_samples import DP_EPP_CONFIG, PD_EPP_CONFIG
+from tests.support.llmd_samples import (
+    DP_EPP_CONFIG,
+    PD_EPP_CONFIG,
+    PD_TOPOLOGY_EPP_CONFIG,
+    SIM_E_P_D_EPP_CONFIG,
+    SIM_E_PD_EPP_CONFIG,
+    SIM_PD_EPP_CONFIG,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +80,7 @@ def pd_stack(
         roles=["prefill", "decode", "decode"],
         pod_args=["--speedup", "20", "--max-num-seqs", "8"],
         config=PD_CONFIG,
+        epp_args=["--allow-experimental-plugins"],  # pd-topology-epp-config's plugins
     ) as started:
         yield started
 
@@ -129,6 +137,40 @@ async def test_the_epp_counts_its_disaggregation_decisions(pd_stack: Stack) -> N
     }
     assert counts["prefill-decode"] >= 1
     assert counts["decode-only"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("sample", "disaggregates"),
+    [
+        (SIM_PD_EPP_CONFIG, True),
+        (PD_TOPOLOGY_EPP_CONFIG, True),
+        (SIM_E_P_D_EPP_CONFIG, True),
+        # E/PD: only an encode stage, so text is decoded where it is prefilled.
+        (SIM_E_PD_EPP_CONFIG, False),
+    ],
+    ids=["sim-pd", "pd-topology", "sim-e-p-d", "sim-e-pd"],
+)
+async def test_llm_d_routers_other_p_d_samples_run_on_the_fleet(
+    pd_stack: Stack, sample: str, disaggregates: bool
+) -> None:
+    prefill = pd_stack.pods[0].ports.address
+    decoders = {p.address: p.ports.address for p in pd_stack.pods[1:]}
+    engines = [prefill, *decoders.values()]
+    pd_stack.reconfigure(sample)
+    try:
+        before = await _counters(engines)
+        upstream, reply = await _chat(pd_stack.gateway, "a new story about " + words(23, 300))
+        delta = _delta(before, await _counters(engines))
+        assert upstream in decoders
+        assert delta[decoders[upstream]][0] == 1
+        prompt = reply["usage"]["prompt_tokens"]  # type: ignore[index]
+        assert delta[prefill] == ((1, prompt) if disaggregates else (0, 0))
+        before = await _counters(engines)
+        upstream, _ = await _chat(pd_stack.gateway, "hi")
+        delta = _delta(before, await _counters(engines))
+        assert upstream in decoders and delta[prefill] == (0, 0)
+    finally:
+        pd_stack.reconfigure(PD_CONFIG)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,3 +168,71 @@ schedulingProfiles:
   - pluginRef: prefix-cache-scorer
     weight: 2
 """
+
+# deploy/config/sim-pd-epp-config.yaml
+SIM_PD_EPP_CONFIG: Final = """\
+# Sample EPP configuration for tunning with P/D
+# Use with small hash block size for simulation purposes
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: approx-prefix-cache-producer
+  parameters:
+    blockSizeTokens: 16
+    autoTune: false
+    maxPrefixTokensToMatch: 16384
+    lruCapacityPerServer: 31250
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: prefill-filter
+- type: decode-filter
+- type: max-score-picker
+- type: prefix-based-pd-decider
+  parameters:
+    nonCachedTokens: 16
+- type: disagg-profile-handler
+  parameters:
+    deciders:
+      prefill: prefix-based-pd-decider
+schedulingProfiles:
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: max-score-picker
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+  - pluginRef: queue-scorer
+    weight: 1
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: max-score-picker
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+  - pluginRef: queue-scorer
+    weight: 1
+"""
+
+# deploy/config/sim-e-pd-epp-config.yaml
+SIM_E_PD_EPP_CONFIG: Final = """\
+# EPP configuration for E/PD (encode + prefill-decode) using disagg-profile-handler.
+# The encode stage is triggered only for multimodal requests (image_url / video_url / input_audio).
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: encode-filter
+- type: decode-filter
+- type: max-score-picker
+- type: always-disagg-multimodal-decider
+- type: disagg-profile-handler
+  parameters:
+    deciders:
+      encode: always-disagg-multimodal-decider
+schedulingProfiles:
+- name: encode
+  plugins:
+  - pluginRef: encode-filter
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+"""
