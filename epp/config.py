@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import scorers  # noqa: F401  (registers the built-in plugin types)
 from epp.config_sections import (
+    PARSER_TYPES,
     DataLayerSpec,
     FlowControlSpec,
     PluginRef,
@@ -371,6 +372,15 @@ def plugin_roles(cls: type[Plugin[Any]]) -> frozenset[str]:
 
 
 _PROFILE_ROLES: Final = frozenset({"filter", "scorer", "picker"})
+_REQUEST_HOOKS: Final = ("prepare", "admit", "pre_request", "response_complete")
+
+
+def _runs_per_request(cls: type[Plugin[Any]]) -> bool:
+    """A request parser or a request-control plugin (data producer, admitter, PreRequest,
+    ResponseComplete): it acts on every request once declared, whatever the profiles say."""
+    return cls.type_name in PARSER_TYPES or any(
+        callable(getattr(cls, hook, None)) for hook in _REQUEST_HOOKS
+    )
 
 
 def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> EndpointPickerConfig:
@@ -469,6 +479,18 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
             if name in classes:
                 roles = roles_of(name)
                 if not roles & _PROFILE_ROLES:
+                    if "profile-handler" not in roles and _runs_per_request(classes[name]):
+                        # llm-d-router's profiles keep a plugin's filter, scorer and picker
+                        # parts and skip the rest; its integration configs list parsers and
+                        # request-control plugins there.
+                        logger.info(
+                            "%s: %r (%s) is not a filter, scorer or picker; the profile skips "
+                            "it (it runs for every request, as declared in plugins)",
+                            ref_where,
+                            name,
+                            classes[name].type_name,
+                        )
+                        continue
                     problems.append(
                         f"{ref_where}: {name!r} ({classes[name].type_name}) is not a filter, "
                         "scorer or picker, so it cannot be part of a profile"

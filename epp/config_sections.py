@@ -19,15 +19,17 @@ the references between plugins its split prefix pipeline uses.
   dropped, or, with the ``flowControl`` gate, when waiting requests are dispatched; with the
   gate off the section's queueing keys are logged as not applied, as upstream.
 * ``prefixMatchInfoProducerName`` in a plugin's parameters must name a declared prefix
-  producer (precise or ``approx-prefix-cache-producer``); a ``prefix-cache-scorer`` naming none
-  reads the one approximate producer declared, if any; a ``token-producer``'s ``modelName``
-  becomes the ``tokenizer`` of every precise prefix plugin that names none.
+  producer (precise, ``approx-prefix-cache-producer`` or ``burst-prefix-cache-producer``); a
+  ``prefix-cache-scorer`` naming none reads the one approximate producer declared, if any; a
+  ``token-producer``'s ``modelName`` becomes the ``tokenizer`` of every precise prefix plugin
+  that names none.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -40,16 +42,37 @@ FEATURE_GATES: Final[Mapping[str, bool]] = {
 }
 PARSER_TYPES: Final = ("openai-parser", "anthropic-parser", "passthrough-parser")
 PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
-PREFIX_PRODUCER_TYPES: Final = (*PRECISE_TYPES, "approx-prefix-cache-producer")
+BURST_PRODUCER_TYPE: Final = "burst-prefix-cache-producer"
+PREFIX_PRODUCER_TYPES: Final = (
+    *PRECISE_TYPES,
+    "approx-prefix-cache-producer",
+    BURST_PRODUCER_TYPE,
+)
 # prefix-cache-scorer parameters of its own approximate index (unused with a producer).
 _OWN_INDEX_KEYS: Final = frozenset(
     {"blockSize", "hashBlockSize", "maxPrefixBlocksToMatch", "lruCapacityPerServer"}
 )
 # Which data sources feed which extractors here (what this EPP does built in).
-_EXTRACTORS: Final[Mapping[str, tuple[str, ...]]] = {
+_EXTRACTORS: Final[dict[str, tuple[str, ...]]] = {
     "metrics-data-source": ("core-metrics-extractor",),
-    "endpoint-notification-source": PRECISE_TYPES,
+    # mm-embeddings-cache-producer: scorers.multimodal_cache (forgets removed endpoints).
+    "endpoint-notification-source": (*PRECISE_TYPES, "mm-embeddings-cache-producer"),
+    "dcgm-data-source": ("dcgm-extractor",),  # scorers.gpu_metrics, epp.dcgm_scraping
 }
+
+
+@contextmanager
+def extra_data_source(source_type: str, extractor_types: Sequence[str] = ()) -> Iterator[None]:
+    """Accept ``source_type`` in ``dataLayer.sources`` (feeding ``extractor_types``) while the
+    block runs.  For data sources a test suite registers, as llm-d-router's integration harness
+    registers its ``mock-metrics-source``; the EPP itself never calls it."""
+    if source_type in _EXTRACTORS:
+        raise ValueError(f"data source type {source_type!r} is already accepted")
+    _EXTRACTORS[source_type] = tuple(extractor_types)
+    try:
+        yield
+    finally:
+        del _EXTRACTORS[source_type]
 
 
 class _Strict(BaseModel):
@@ -324,7 +347,10 @@ def with_decider_producer(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
     types = {spec.type for spec in plugins}
     names = {spec.name for spec in plugins}
     default = "approx-prefix-cache-producer"
-    if "prefix-based-pd-decider" not in types or types & set(PREFIX_PRODUCER_TYPES):
+    # A burst producer's match is a placement, not what a pod caches; upstream's decider reads
+    # only the approximate producer's key and creates one beside a burst producer.
+    cache_producers = set(PREFIX_PRODUCER_TYPES) - {BURST_PRODUCER_TYPE}
+    if "prefix-based-pd-decider" not in types or types & cache_producers:
         return list(plugins)
     name, suffix = default, 2
     while name in names:  # the decider reads any producer's match, whatever its name

@@ -68,6 +68,7 @@ class EndpointSpec:
     kv_events_url: str | None = None
     replay_url: str | None = None
     rank: int = 0  # data-parallel rank within its pod (the pool's target port index)
+    node_address: str = ""  # the pod's node IP (status.hostIP): a DaemonSet exporter's host
 
     def __post_init__(self) -> None:
         if not self.metrics_url:

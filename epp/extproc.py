@@ -42,7 +42,9 @@ Inference Extension's EPP uses it; summarized in ``docs/design.md``, "Envoy ext_
    ``text/event-stream``, every body chunk (echoed immediately), and the ``usage`` of a JSON
    body or of the last SSE ``data:`` event carrying one.  `Router.response_complete` is
    called exactly once per routed request: at the response's end of stream, at its
-   trailers, or when the gRPC stream ends or is cancelled first.
+   trailers, or when the gRPC stream ends or is cancelled first.  What its ResponseComplete
+   plugins report for Envoy (``request-attribute-reporter``'s request cost) goes out as
+   ``dynamic_metadata`` of the reply to that last message, as llm-d-router sends it.
 
 The subset hint (``metadata_context.filter_metadata["envoy.lb.subset_hint"]
 ["x-gateway-destination-endpoint-subset"]``) restricts candidates; the Inference Extension
@@ -85,6 +87,7 @@ from epp.requests import (
     rewrite_model,
 )
 from scorers.base import LLMRequest, SchedulingError, Usage
+from scorers.request_data import RESPONSE_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -471,14 +474,15 @@ class ExtProcStream:
             )
             return self._fail(500, "internal error in the endpoint picker", "epp_internal_error")
         if kind == "response_headers":
-            return self._on_response_headers(message.response_headers)
+            return self._with_reported_metadata(self._on_response_headers(message.response_headers))
         if kind == "response_body":
-            return self._on_response_body(message.response_body)
+            return self._with_reported_metadata(self._on_response_body(message.response_body))
         if kind == "response_trailers":
             self._complete()
-            return [
-                ext_proc_pb2.ProcessingResponse(response_trailers=ext_proc_pb2.TrailersResponse())
-            ]
+            trailers = ext_proc_pb2.TrailersResponse()
+            return self._with_reported_metadata(
+                [ext_proc_pb2.ProcessingResponse(response_trailers=trailers)]
+            )
         logger.warning("ext_proc: ignoring a message without a known phase (%s)", kind)
         return []
 
@@ -712,6 +716,21 @@ class ExtProcStream:
             usage,
             self._response.status if status is None else status,
         )
+
+    def _with_reported_metadata(
+        self, replies: list[ProcessingResponse]
+    ) -> list[ProcessingResponse]:
+        """``replies`` with what ResponseComplete plugins reported for Envoy
+        (``request.data[RESPONSE_METADATA]``, filled once the response completed) as the last
+        reply's ``dynamic_metadata``.  llm-d-router sends it on the reply to the response's
+        last body chunk (``pkg/epp/handlers``, ``generateResponseBodyResponses``); a response
+        ended by its trailers or its headers gets it on that reply.  Taken, so sent once."""
+        if self.decision is None or not replies:
+            return replies
+        reported = self.decision.request.data.pop(RESPONSE_METADATA, None)
+        if reported:
+            replies[-1].dynamic_metadata.update(reported)
+        return replies
 
     def _notify(self, hook: str, callback: Callable[..., None], *args: Any) -> None:
         # Observing the response must never break it: a failing hook is logged and skipped.

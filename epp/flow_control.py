@@ -14,9 +14,13 @@ runs on each arrival, on each release and every few milliseconds while anything 
 3. bands are walked from the highest priority: the first whose ceiling the saturation reaches
    stops the cycle (head-of-line, lower bands wait too); else its fairness policy picks a flow
    (``global-strict-fairness-policy``: the oldest head across flows; ``round-robin-fairness-
-   policy``: flows in turn) and the flow's oldest request is dispatched (``fcfs-ordering-policy``;
-   ``edf-ordering-policy`` is the same while every request has the same TTL).  One request
-   leaves per cycle.
+   policy``: flows in turn; ``program-aware-fairness``: the flow whose program received the
+   least service, `epp.program_aware_fairness`) and the flow's oldest request is dispatched
+   (``fcfs-ordering-policy``; ``edf-ordering-policy`` is the same while every request has the
+   same TTL).  One request leaves per cycle.
+
+The policies are plugins (`epp.flow_policies`); this module holds the settings, the queues and
+the controller.
 
 A request leaves unscheduled when its band or the whole queue is full (429
 ``rejected-saturated``; 503 ``rejected-no-endpoints`` while the pool is empty), when it waited
@@ -41,24 +45,37 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Final, Literal
 
 from epp.admission import PoolSaturatedError
+from epp.flow_policies import (
+    FAIRNESS_TYPES,
+    ORDERING_TYPES,
+    UNDECLARED_OK,
+    USAGE_LIMIT_TYPES,
+    FairnessPolicy,
+    SoftReflectiveCeiling,
+    StaticUsageLimit,
+)
+
+# The policy plugins, re-exported from their modules (they lived here before); importing them
+# registers their plugin types, program-aware-fairness's included.
+from epp.flow_policies import EDFOrdering as EDFOrdering
+from epp.flow_policies import FCFSOrdering as FCFSOrdering
+from epp.flow_policies import GlobalStrictFairness as GlobalStrictFairness
+from epp.flow_policies import RoundRobinFairness as RoundRobinFairness
+from epp.flow_policies import StaticLimitParameters as StaticLimitParameters
 from epp.llmd_metrics import DEFAULT_FAIRNESS_ID, fairness_id
+from epp.program_aware_fairness import ProgramAwareFairness as ProgramAwareFairness
 from kvcache.settings import parse_duration
 from scorers.base import (
     Endpoint,
     LLMRequest,
     NoEndpoints,
-    NoParameters,
     NoReadyEndpointsError,
-    Plugin,
     PluginConfigError,
     PluginContext,
     create_plugin,
-    register,
 )
 from scorers.filters import ROLE_LABEL
 
@@ -139,99 +156,6 @@ def duration(value: Any, what: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Policy plugins (declared in `plugins`, referenced by name from `flowControl`)
-
-
-@register("global-strict-fairness-policy")
-class GlobalStrictFairness(Plugin[NoParameters]):
-    """The band's oldest waiting request, whatever its flow (upstream's default)."""
-
-    def pick_flow(self, band: Band) -> Flow | None:
-        heads = [f for f in band.flows.values() if f.items]
-        return min(heads, key=lambda f: f.items[0].seq, default=None)
-
-
-@register("round-robin-fairness-policy")
-class RoundRobinFairness(Plugin[NoParameters]):
-    """Each flow with waiting requests in turn, one request per turn (flows in id order)."""
-
-    def pick_flow(self, band: Band) -> Flow | None:
-        names = sorted(band.flows)
-        if not names:
-            return None
-        last = band.last_flow
-        start = names.index(last) + 1 if last is not None and last in band.flows else 0
-        for name in itertools.chain(names[start:], names[:start]):
-            if band.flows[name].items:
-                band.last_flow = name
-                return band.flows[name]
-        return None
-
-
-@register("fcfs-ordering-policy")
-class FCFSOrdering(Plugin[NoParameters]):
-    """Oldest first within a flow (upstream's default)."""
-
-
-@register("edf-ordering-policy")
-class EDFOrdering(Plugin[NoParameters]):
-    """Earliest deadline first; every request has the same TTL, so it is FCFS (as upstream)."""
-
-
-class StaticLimitParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    threshold: float = Field(
-        default=1.0, gt=0.0, le=1.0, description="Every band's ceiling (default 1.0)."
-    )
-
-
-@register("static-usage-limit-policy")
-class StaticUsageLimit(Plugin[StaticLimitParameters]):
-    """The same ceiling for every band."""
-
-    def ceilings(self, saturation: float, bands: int) -> list[float]:
-        return [self.p.threshold] * bands
-
-
-@register("soft-reflective-ceiling-policy")
-class SoftReflectiveCeiling(Plugin[NoParameters]):
-    """Band i of N (0 the highest) closes once saturation reaches ``1 - i·s/(N-1)``; between
-    half and full saturation lower bands open one cycle in ``round(s/(1-s))`` (upstream's)."""
-
-    experimental: ClassVar[bool] = True
-
-    def __init__(self, name: str, params: BaseModel, context: Any) -> None:
-        super().__init__(name, params, context)
-        self._tick = 0
-
-    def ceilings(self, saturation: float, bands: int) -> list[float]:
-        if bands <= 1:
-            return [1.0] * bands
-        s = saturation
-        is_open = True
-        if 1 - s <= s < 1:
-            period = max(1, round(s / (1 - s + 1e-9)))
-            self._tick += 1
-            is_open = self._tick % period == 0
-        out = [1.0]
-        for i in range(1, bands):
-            reflective = 1 - i * s / (bands - 1)
-            if s < reflective:
-                out.append(1.0)
-            elif s >= 1:
-                out.append(0.0)
-            else:
-                out.append(1.0 if is_open else 0.0)
-        return out
-
-
-FAIRNESS_TYPES: Final = ("global-strict-fairness-policy", "round-robin-fairness-policy")
-ORDERING_TYPES: Final = ("fcfs-ordering-policy", "edf-ordering-policy")
-USAGE_LIMIT_TYPES: Final = ("static-usage-limit-policy", "soft-reflective-ceiling-policy")
-
-
-# ---------------------------------------------------------------------------------------------
 # Settings
 
 
@@ -276,7 +200,12 @@ def _band(raw: Any, where: str, plugins: Mapping[str, str]) -> BandSettings:
         (fairness, FAIRNESS_TYPES, "fairnessPolicyRef"),
         (ordering, ORDERING_TYPES, "orderingPolicyRef"),
     ):
-        kind = plugins.get(ref, ref if ref in kinds else None)
+        kind = plugins.get(ref, ref if ref in UNDECLARED_OK else None)
+        if kind is None and ref in kinds:
+            raise ValueError(
+                f"{where}.{key}: {ref!r} is not declared; add `- type: {ref}` to plugins "
+                "(it learns from every request's dispatch and response, so it must be declared)"
+            )
         if kind not in kinds:
             raise ValueError(
                 f"{where}.{key}: {ref!r} is not a declared {' or '.join(kinds)} plugin"
@@ -356,8 +285,9 @@ def flow_control_settings(section: Any, plugins: Mapping[str, str]) -> FlowContr
 class Item:
     seq: int
     size: int
-    enqueued_at: float
+    enqueued_at: float  # the controller's clock
     done: asyncio.Future[Outcome]
+    request: LLMRequest | None = None  # for policies that follow it past dispatch
 
 
 @dataclass(slots=True)
@@ -407,7 +337,7 @@ class FlowController:
         settings: FlowControlSettings,
         saturation: Callable[[Sequence[Endpoint]], float],
         usage_limit: StaticUsageLimit | SoftReflectiveCeiling,
-        fairness: Mapping[str, GlobalStrictFairness | RoundRobinFairness],
+        fairness: Mapping[str, FairnessPolicy],
         pool: Callable[[], list[Endpoint]],
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -461,7 +391,8 @@ class FlowController:
                 "rejected-saturated",
                 outcome,
             )
-        item = Item(next(self._seq), size, start, asyncio.get_running_loop().create_future())
+        done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        item = Item(next(self._seq), size, start, done, request)
         if self._on_queue is not None:
             self._on_queue(request, 1, size)
         queue = band.flows.setdefault(flow, Flow(flow)).items
@@ -547,7 +478,8 @@ class FlowController:
         if not self._waiting:
             return
         pool = self._pool()
-        self._expire(self._clock(), empty=not pool)
+        now = self._clock()
+        self._expire(now, empty=not pool)
         if not pool:
             return
         stages = stage_saturation(pool, self._saturation)
@@ -572,7 +504,7 @@ class FlowController:
             if not band.waiting:
                 continue
             policy = self._fairness.get(band.settings.fairness)
-            flow = policy.pick_flow(band) if policy is not None else None
+            flow = policy.pick_flow(band, now) if policy is not None else None
             if flow is None:
                 continue
             item = flow.items.popleft()
@@ -636,13 +568,13 @@ def build_flow_controller(
     limit = instance(settings.usage_limit_policy)
     if not isinstance(limit, StaticUsageLimit | SoftReflectiveCeiling):
         raise PluginConfigError(f"{settings.usage_limit_policy!r} is not a usage limit policy")
-    fairness: dict[str, GlobalStrictFairness | RoundRobinFairness] = {}
+    fairness: dict[str, FairnessPolicy] = {}
     bands = [settings.default_band, *settings.bands.values()]
     if settings.negative_band is not None:
         bands.append(settings.negative_band)
     for band in bands:
         policy = instance(band.fairness)
-        if not isinstance(policy, GlobalStrictFairness | RoundRobinFairness):
+        if not isinstance(policy, FairnessPolicy):
             raise PluginConfigError(f"{band.fairness!r} is not a fairness policy")
         fairness[band.fairness] = policy
     return FlowController(settings, saturation, limit, fairness, pool, **kwargs)

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from epp.admission import AdmissionController, AdmissionMode, AdmissionSettings
 from epp.config import EndpointPickerConfig, build_scheduler, load_config
 from epp.datastore import Datastore
+from epp.dcgm_scraping import DcgmScraper, dcgm_wirings
 from epp.director import Director
 from epp.discovery import Discovery
 from epp.discovery.kubernetes import KubernetesDiscovery
@@ -164,6 +165,12 @@ class EndpointPicker:
             unreachable_after=options.endpoint_unreachable_after,
             on_duration=self.telemetry.scrape_duration.observe,
         )
+        # dataLayer's dcgm-data-source entries: GPU utilization for endpoint-attribute-*.
+        self.dcgm_scraper = DcgmScraper(
+            self.datastore,
+            dcgm_wirings(config, self.scheduler.plugin),
+            tick=options.refresh_metrics_interval,
+        )
         self.discovery: Discovery = self._discovery()
         self.health = HealthService(lambda: self.datastore.synced)
         self.extproc: ExtProcServer | None = None
@@ -231,6 +238,7 @@ class EndpointPicker:
         self.datastore.add_listener(self.scheduler)
         self.datastore.add_listener(self.scraper)
         await self.scraper.start()
+        await self.dcgm_scraper.start()
         await self.discovery.start()
         self.health_server = await _start_health_server(
             self.health, opts.host, opts.grpc_health_port
@@ -319,6 +327,7 @@ class EndpointPicker:
         with contextlib.suppress(Exception):
             await self.discovery.stop()
         await self.scraper.stop()
+        await self.dcgm_scraper.stop()
         await self.scheduler.stop()
         await self.context.kv_caches.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,9 @@
 With a producer named (``token-producer`` → ``precise-prefix-cache-producer`` →
 ``prefix-cache-scorer``), the score of an endpoint is the producer's tier-weighted matched
 blocks over the request's blocks, blended with the matched length when ``matchLengthWeight``
-is set; the approximate index below is not used.  Without one:
+is set; the approximate index below is not used.  The producer may also be this module's
+``approx-prefix-cache-producer`` or a ``burst-prefix-cache-producer`` (`scorers.prefix_burst`,
+a full match on the replica a burst of requests sharing a prompt is steered to).  Without one:
 
 It never sees the model servers' caches; it remembers where it sent each prompt prefix and
 assumes the prefix is still cached there, up to a per-endpoint capacity.  The prompt text is cut
@@ -113,11 +115,22 @@ def prompt_bytes(request: LLMRequest, limit: int) -> bytes:
 
 
 def block_hashes(
-    data: bytes, block_size: int, max_blocks: int, model: str, cache_salt: str | None = None
+    data: bytes,
+    block_size: int,
+    max_blocks: int,
+    model: str,
+    cache_salt: str | None = None,
+    *,
+    partial_last: bool = False,
 ) -> list[int]:
     """Chained xxh64 hashes of the full ``block_size`` blocks of ``data`` (at most
-    ``max_blocks``), seeded with the model name and cache salt (see the module docstring)."""
-    count = min(len(data) // block_size, max_blocks)
+    ``max_blocks``), seeded with the model name and cache salt (see the module docstring).
+
+    ``partial_last`` hashes a shorter last block too, as llm-d-router's ``prefixhash`` does for
+    its burst producer: a prompt shorter than one block still has a key, and prompts that differ
+    only in their tail are told apart (`scorers.prefix_burst`)."""
+    whole, rest = divmod(len(data), block_size)
+    count = min(whole + (1 if partial_last and rest else 0), max_blocks)
     if count == 0:
         return []
     seed = model.encode() + b"\x00"
@@ -263,8 +276,9 @@ class PrefixCacheParameters(BaseModel):
     )
     prefixMatchInfoProducerName: str = Field(
         default="",
-        description="llm-d-router's split pipeline: the name of a precise-prefix-cache-producer "
-        "whose match this scorer scores, instead of its own approximate index.",
+        description="llm-d-router's split pipeline: the name of a prefix producer (precise, "
+        "approximate or burst) whose match this scorer scores, instead of its own approximate "
+        "index.",
     )
     matchLengthWeight: float = Field(
         default=0.0,

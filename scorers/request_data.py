@@ -55,6 +55,13 @@ RESPONSE_TIMING (``"response.timing"``): `ResponseTiming`
     clock (``PluginContext.clock``).  Written by the director on the response path, before the
     ResponseComplete plugins run; plugins that learn the pods' speeds read it there.
 
+RESPONSE_METADATA (``"response.dynamic_metadata"``): ``dict[str, dict[str, float]]``
+    Envoy dynamic metadata for the end of the response: namespace (``envoy.lb``) → key → number.
+    Written by ``request-attribute-reporter`` in ResponseComplete; taken by the ext_proc layer
+    (`epp.extproc`) right after the ResponseComplete plugins ran and sent as ``dynamic_metadata``
+    of the reply to the message that ended the response (its last body chunk, or its trailers).
+    Plugins add their keys to what is there (several may share a namespace).
+
 SESSION_TOKEN (``"session-token"``): ``str``
     The value the ext_proc layer must send back in the ``x-session-token`` response header:
     base64 of the chosen endpoint's address.  Written by ``session-affinity-scorer`` in
@@ -78,6 +85,7 @@ KV_CACHED_TOKENS: Final = "kv.cached_tokens"
 SESSION_TOKEN: Final = "session-token"
 PREFIX_MATCH_INFO: Final = "prefix.match_info/"
 RESPONSE_TIMING: Final = "response.timing"
+RESPONSE_METADATA: Final = "response.dynamic_metadata"
 
 
 @dataclass(slots=True, frozen=True)

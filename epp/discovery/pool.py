@@ -164,6 +164,7 @@ def pod_endpoints(
                 kv_events_url=kv,
                 replay_url=replay,
                 rank=rank,
+                node_address=str((pod.get("status") or {}).get("hostIP") or ""),
             )
         )
     return tuple(out)

@@ -236,3 +236,206 @@ schedulingProfiles:
   plugins:
   - pluginRef: decode-filter
 """
+
+# deploy/config/epp-burst-prefix-cache-config.yaml
+EPP_BURST_PREFIX_CACHE_CONFIG: Final = """\
+# Sample EPP config: burst prefix cache pipeline
+#   token-producer -> burst-prefix-cache-producer -> prefix-cache-scorer
+#
+# Co-locates bursts of prompt-sharing requests (e.g. RL rollout group samples)
+# onto shared replicas so a shared prefix is prefilled once instead of scattered
+# across replicas on a cold cache.
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: token-producer
+    parameters:
+      modelName: hf-repo/model-name           # set to the model used in the vLLM deployment
+      vllm:
+        url: http://<vllm-service>.<namespace>.svc.cluster.local:8000
+  - type: single-profile-handler
+  - type: decode-filter
+  - type: burst-prefix-cache-producer
+    parameters:
+      windowDurationMs: 100       # batch window T
+      maxPerReplica: -1           # k; -1 sends all samples of a group to one replica
+      minColocateBlocks: 0        # >0 co-locates distinct groups sharing >= N leading blocks; 0 = load-balanced
+  - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: burst-prefix-cache-producer
+  - type: load-aware-scorer
+  - type: max-score-picker
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: decode-filter
+      - pluginRef: prefix-cache-scorer
+        weight: 2.0
+      - pluginRef: load-aware-scorer
+        weight: 1.0
+      - pluginRef: max-score-picker
+"""
+
+# deploy/config/sim-program-aware-config.yaml
+SIM_PROGRAM_AWARE_CONFIG: Final = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: program-aware-fairness
+- type: queue-scorer
+- type: max-score-picker
+- type: single-profile-handler
+
+featureGates:
+- flowControl
+
+flowControl:
+  defaultPriorityBand:
+    fairnessPolicyRef: program-aware-fairness
+
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""
+
+# deploy/config/epp-mm-embeddings-cache-config.yaml (it passes cacheSizeInMB, a key upstream's
+# strict parameter decoding rejects: the producer's only parameter is cacheSizeInMBPerServer)
+EPP_MM_EMBEDDINGS_CACHE_CONFIG: Final = """\
+# Sample EPP configuration with multimodal embeddings cache affinity.
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: token-producer
+    parameters:
+      modelName: hf-repo/model-name           # set to the model used in the vLLM deployment
+      vllm:
+        url: http://localhost:8000
+  - type: endpoint-notification-source
+  - type: metrics-data-source
+  - type: core-metrics-extractor
+  - type: mm-embeddings-cache-producer
+    parameters:
+      cacheSizeInMB: 2048
+  - type: mm-embeddings-cache-scorer
+  - type: precise-prefix-cache-producer
+    parameters:
+      tokenProcessorConfig:
+        blockSize: 64
+      indexerConfig:
+        kvBlockIndexConfig:
+          enableMetrics: true
+  - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: precise-prefix-cache-producer
+  - type: queue-scorer
+  - type: max-score-picker
+  - type: single-profile-handler
+  - type: decode-filter
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+    - pluginRef: endpoint-notification-source
+      extractors:
+        - pluginRef: mm-embeddings-cache-producer
+        - pluginRef: precise-prefix-cache-producer
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: decode-filter
+      - pluginRef: prefix-cache-scorer
+        weight: 10
+      - pluginRef: mm-embeddings-cache-scorer
+        weight: 4
+      - pluginRef: queue-scorer
+        weight: 1
+      - pluginRef: max-score-picker
+"""
+
+# deploy/config/sim-epp-gpu-config.yaml
+SIM_EPP_GPU_CONFIG: Final = """\
+# Sample EPP configuration: GPU utilization-aware routing
+# Routes requests to pods with lower GPU utilization, filtering out overloaded endpoints.
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: dcgm-data-source
+  name: dcgm-source
+  parameters:
+    port: 9400
+    interval: "1s"
+- type: dcgm-extractor
+  name: dcgm-extractor
+- type: endpoint-attribute-filter
+  name: gpu-utilization-filter
+  parameters:
+    attribute: "GPUUtilization"
+    producer: "dcgm-extractor"
+    onMissing: "Pass"
+    fallbackOnEmpty: true
+    algorithm:
+      type: "threshold"
+      threshold:
+        operator: "LessThanOrEqual"
+        value: 0.90
+- type: endpoint-attribute-scorer
+  name: gpu-utilization-scorer
+  parameters:
+    attributeKey: "GPUUtilization"
+    producer: "dcgm-extractor"
+    algorithm:
+      type: "linear_lower_is_better"
+      normalization:
+        fixedRange:
+          min: 0.0
+          max: 1.0
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+- type: single-profile-handler
+- type: decode-filter
+dataLayer:
+  sources:
+  - pluginRef: dcgm-source
+    extractors:
+    - pluginRef: dcgm-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: gpu-utilization-filter
+  - pluginRef: gpu-utilization-scorer
+    weight: 2.0
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1.0
+  - pluginRef: max-score-picker
+"""
+
+# test/integration/epp/testdata/datalayer-config.yaml (its mock-metrics-source exists only in
+# tests: tests/support/mock_metrics_source.py)
+DATALAYER_CONFIG: Final = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+  - type: prefix-cache-scorer
+  - type: lora-affinity-scorer
+  - type: openai-parser
+  - type: mock-metrics-source
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: queue-scorer
+      - pluginRef: kv-cache-utilization-scorer
+      - pluginRef: prefix-cache-scorer
+      - pluginRef: lora-affinity-scorer
+requestHandler:
+  parsers:
+  - pluginRef: openai-parser
+dataLayer:
+  sources:
+  - pluginRef: mock-metrics-source
+"""
