@@ -48,6 +48,12 @@ _POD_MEMORY = 32  # requests: half-life of a pod's slowness
 # One first token can be far off the model (a stall, a timer): bound each sample's log ratio so
 # that one outlier moves a pod's slowness by at most e^(±2 / _POD_MEMORY).
 _MAX_LOG_RATIO = 2.0
+# A pod is slower or faster than the model only by what its recent first tokens show beyond
+# their noise: this many standard errors of its mean log ratio are taken off it.  On a fleet of
+# identical pods the ratios differ by chance alone, and a pod charged for a chance streak of
+# slow answers gets fewer requests, hence fewer answers to clear it (one such pod took 1.35 ×
+# the mean on real vLLM); a really slower pod (a noisy neighbour, older hardware) stands out.
+_SLOWNESS_Z = 2.0
 # The fitted TTFT over the work seen must rise by this share of its floor before the slope is
 # trusted, and may fall to the second share before it is distrusted again: a band, so that a
 # rise that hovers near the threshold does not switch the prices on and off from one request to
@@ -86,6 +92,33 @@ class _Bin:
         self.quantile = ttft
 
 
+class _PodRatios:
+    """One pod's log ratios of observed over modelled first tokens, exponentially weighted
+    over _POD_MEMORY requests: their weighted mean and how many samples that mean is worth."""
+
+    __slots__ = ("weight", "weight_sq", "weighted_sum")
+
+    def __init__(self) -> None:
+        self.weight = 0.0
+        self.weight_sq = 0.0
+        self.weighted_sum = 0.0
+
+    def add(self, ratio: float) -> None:
+        keep = 1.0 - 1.0 / _POD_MEMORY
+        self.weight = self.weight * keep + 1.0
+        self.weight_sq = self.weight_sq * keep * keep + 1.0
+        self.weighted_sum = self.weighted_sum * keep + ratio
+
+    @property
+    def mean(self) -> float:
+        return self.weighted_sum / self.weight if self.weight else 0.0
+
+    @property
+    def effective_samples(self) -> float:
+        """(Σw)² / Σw²: 1 after one sample, about 2 × _POD_MEMORY in the long run."""
+        return self.weight * self.weight / self.weight_sq if self.weight_sq else 0.0
+
+
 class ServiceRates:
     """The estimator (module docstring).  ``memory``: the half-life of a sample, in requests;
     ``min_samples``: requests seen before the fit is trusted."""
@@ -107,7 +140,11 @@ class ServiceRates:
         self._xy = [0.0] * 3
         self._decode: float | None = None
         self._output: float | None = None
-        self._log_slowness: dict[str, float] = {}
+        # Per pod, exponentially weighted sums of the log ratios of observed over modelled
+        # first tokens (`_PodRatios`); their variance about each pod's mean is pooled over the
+        # pods, whose first tokens are measured alike.
+        self._pod_ratios: dict[str, _PodRatios] = {}
+        self._log_ratio_var: float | None = None
 
     def observe(
         self,
@@ -153,8 +190,18 @@ class ServiceRates:
             if predicted > 0:
                 ratio = math.log(ttft_s / predicted)
                 ratio = min(_MAX_LOG_RATIO, max(-_MAX_LOG_RATIO, ratio))
-                old = self._log_slowness.get(endpoint, 0.0)
-                self._log_slowness[endpoint] = old + (ratio - old) / _POD_MEMORY
+                pod = self._pod_ratios.get(endpoint)
+                if pod is None:
+                    pod = self._pod_ratios[endpoint] = _PodRatios()
+                else:
+                    deviation = ratio - pod.mean
+                    var = self._log_ratio_var
+                    self._log_ratio_var = (
+                        deviation * deviation
+                        if var is None
+                        else var + (deviation * deviation - var) / _POD_MEMORY
+                    )
+                pod.add(ratio)
 
     def _ewma(self, current: float | None, value: float) -> float:
         return value if current is None else current + self._weight * (value - current)
@@ -268,9 +315,18 @@ class ServiceRates:
         )
 
     def slowness(self, endpoint: str) -> float:
-        """How many times slower than the model this pod's recent first tokens were (below 1
-        for a pod faster than the fleet's model; 1 for a pod not seen yet)."""
-        return math.exp(self._log_slowness.get(endpoint, 0.0))
+        """How many times slower than the pods' typical first tokens (given their work) this
+        pod's recent ones were, beyond what chance explains: below 1 for a faster pod, 1 for
+        one not seen yet or not told apart from the rest."""
+        pod = self._pod_ratios.get(endpoint)
+        if pod is None or not self._log_ratio_var:
+            return 1.0
+        # Against the pods' mean: what all first tokens share (the model's own error, the
+        # machine's contention) is no pod's slowness.
+        fleet = math.fsum(p.mean for p in self._pod_ratios.values()) / len(self._pod_ratios)
+        deviation = pod.mean - fleet
+        noise = _SLOWNESS_Z * math.sqrt(self._log_ratio_var / pod.effective_samples)
+        return math.exp(math.copysign(max(0.0, abs(deviation) - noise), deviation))
 
     def forget(self, endpoint: str) -> None:
-        self._log_slowness.pop(endpoint, None)
+        self._pod_ratios.pop(endpoint, None)

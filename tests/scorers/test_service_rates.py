@@ -76,6 +76,32 @@ def test_a_slower_pod_shows_its_slowness_as_a_factor() -> None:
     assert rates.slowness("slow") == 1.0
 
 
+def test_identical_pods_with_noisy_first_tokens_are_not_told_apart() -> None:
+    # A shared machine: every first token is late by a random factor up to 3 ×, the same for
+    # every pod.  Without a significance test, one pod's streak of late answers made it look
+    # 1.3 × slower and repelled its traffic; here no pod's slowness leaves 1 by much, while a
+    # pod really twice as slow under the same noise still stands out.
+    rates = ServiceRates()
+    rng = random.Random(5)
+
+    def noisy(endpoint: str, per_token: float) -> None:
+        work = rng.choice((60, 200, 900, 1400, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=1,
+            ttft_s=(0.02 + per_token * work) * rng.uniform(1.0, 3.0),
+            endpoint=endpoint,
+        )
+
+    for _ in range(300):
+        for pod in ("a", "b", "c"):
+            noisy(pod, 30e-6)
+        noisy("slow", 60e-6)
+    same = [rates.slowness(pod) for pod in ("a", "b", "c")]
+    assert max(same) / min(same) < 1.1
+    assert rates.slowness("slow") / max(same) > 1.15
+
+
 def test_bad_samples_are_ignored() -> None:
     rates = ServiceRates()
     rates.observe(work_tokens=100, in_flight=0, ttft_s=float("nan"))
