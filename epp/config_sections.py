@@ -12,8 +12,8 @@ the references between plugins its split prefix pipeline uses.
   this EPP does built in, so other pairings, and ``discovery`` (use the InferencePool,
   ``--endpoints`` or ``--endpoints-file``), are errors.  ``injectDefaults`` is accepted.
 * ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
-  ``passthrough-parser``, each declared); default all three, as llm-d-router's default list
-  (less its ``vllmhttp-parser``, not offered).
+  ``passthrough-parser``, ``vllmgrpc-parser``, each declared); default the first three, as
+  llm-d-router's default list (less its ``vllmhttp-parser``, not offered).
 * ``flowControl.saturationDetector`` (or the deprecated top-level ``saturationDetector``) names
   the ``utilization-detector`` that measures the pool's saturation: when sheddable requests are
   dropped, or, with the ``flowControl`` gate, when waiting requests are dispatched; with the
@@ -40,7 +40,14 @@ FEATURE_GATES: Final[Mapping[str, bool]] = {
     "flowControl": False,
     "haPopulateNonLeaderDatastore": True,
 }
-PARSER_TYPES: Final = ("openai-parser", "anthropic-parser", "passthrough-parser")
+PARSER_TYPES: Final = (
+    "openai-parser",
+    "anthropic-parser",
+    "passthrough-parser",
+    "vllmgrpc-parser",
+)
+# The parsers that run when the configuration names none (vLLM's gRPC API only when asked for).
+DEFAULT_PARSER_TYPES: Final = PARSER_TYPES[:3]
 PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
 BURST_PRODUCER_TYPE: Final = "burst-prefix-cache-producer"
 PREFIX_PRODUCER_TYPES: Final = (
@@ -281,7 +288,7 @@ def parser_types(
     if not refs and parser is not None:
         refs, handler = [parser], None
     if not refs:
-        return PARSER_TYPES, []
+        return DEFAULT_PARSER_TYPES, []
     chosen, problems = [], []
     for i, ref in enumerate(refs):
         where = f"requestHandler.parsers[{i}]" if handler is not None else "parser"

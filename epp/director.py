@@ -149,8 +149,8 @@ class Director:
             return
         name, target = chosen
         client = request.client_model
-        rewrite_model(request, target)
-        if self.telemetry is not None:
+        # Counted only when the request really changed (a vLLM gRPC call names no model).
+        if rewrite_model(request, target) and self.telemetry is not None:
             self.telemetry.model_rewritten(name, client, target)
 
     def route_without_body(

@@ -40,11 +40,15 @@ Inference Extension's EPP uses it; summarized in ``docs/design.md``, "Envoy ext_
 4. Response phases are observed and passed through unchanged (but for a rewritten model's
    name): the status, whether it is a
    ``text/event-stream``, every body chunk (echoed immediately), and the ``usage`` of a JSON
-   body or of the last SSE ``data:`` event carrying one.  `Router.response_complete` is
-   called exactly once per routed request: at the response's end of stream, at its
-   trailers, or when the gRPC stream ends or is cancelled first.  What its ResponseComplete
-   plugins report for Envoy (``request-attribute-reporter``'s request cost) goes out as
-   ``dynamic_metadata`` of the reply to that last message, as llm-d-router sends it.
+   body or of the last SSE ``data:`` event carrying one.  A vLLM gRPC call's response
+   (``application/grpc``, `epp.vllm_grpc`) has its token counts read from its messages; when
+   the call did not ask to stream, its body is held and sent on in one piece at its end or
+   at its trailers (which end every gRPC response), as the Inference Extension does.
+   `Router.response_complete` is called exactly once per routed request: at the response's
+   end of stream, at its trailers, or when the gRPC stream ends or is cancelled first.  What
+   its ResponseComplete plugins report for Envoy (``request-attribute-reporter``'s request
+   cost) goes out as ``dynamic_metadata`` of the reply to that last message, as llm-d-router
+   sends it.
 
 The subset hint (``metadata_context.filter_metadata["envoy.lb.subset_hint"]
 ["x-gateway-destination-endpoint-subset"]``) restricts candidates; the Inference Extension
@@ -85,7 +89,9 @@ from epp.requests import (
     request_without_body,
     restore_model_name,
     rewrite_model,
+    vllm_grpc_method,
 )
+from epp.vllm_grpc import ResponseUsage, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
 from scorers.request_data import RESPONSE_METADATA
 
@@ -393,8 +399,10 @@ class Phase(enum.Enum):
 @dataclass(slots=True)
 class _ResponseState:
     status: int = STATUS_UNKNOWN
-    usage: UsageScanner | None = None
+    usage: UsageScanner | ResponseUsage | None = None
     completed: bool = False
+    # A unary vLLM gRPC response's body, sent on in one piece at its end (`_release_held`).
+    held: _Body | None = None
 
 
 @dataclass(slots=True)
@@ -479,9 +487,11 @@ class ExtProcStream:
             return self._with_reported_metadata(self._on_response_body(message.response_body))
         if kind == "response_trailers":
             self._complete()
-            trailers = ext_proc_pb2.TrailersResponse()
+            trailers = ext_proc_pb2.ProcessingResponse(
+                response_trailers=ext_proc_pb2.TrailersResponse()
+            )
             return self._with_reported_metadata(
-                [ext_proc_pb2.ProcessingResponse(response_trailers=trailers)]
+                [*self._release_held(end_of_stream=False), trailers]
             )
         logger.warning("ext_proc: ignoring a message without a known phase (%s)", kind)
         return []
@@ -668,10 +678,22 @@ class ExtProcStream:
             self._response.status = int(headers.get(":status", ""))
         except ValueError:
             self._response.status = STATUS_UNKNOWN
-        streaming = "text/event-stream" in headers.get("content-type", "").lower()
-        self._response.usage = UsageScanner(
-            streaming=streaming, limit=self._settings.max_usage_scan_bytes
-        )
+        content_type = headers.get("content-type", "").lower()
+        request = self.decision.request if self.decision is not None else None
+        method = vllm_grpc_method(request) if request is not None else None
+        if request is not None and method is not None and is_grpc(content_type):
+            limit = self._settings.max_usage_scan_bytes
+            self._response.usage = ResponseUsage(method, limit=limit)
+            # As the Inference Extension: a call that did not ask to stream gets its response
+            # in one piece, at the body's end or at the trailers that end a gRPC response.
+            unary = not request.stream and not message.end_of_stream
+            if unary and self.response_body_mode == FULL_DUPLEX_STREAMED:
+                self._response.held = _Body()
+        else:
+            self._response.usage = UsageScanner(
+                streaming="text/event-stream" in content_type,
+                limit=self._settings.max_usage_scan_bytes,
+            )
         if self.decision is not None and not self._response.completed:
             self._notify(
                 "response_headers",
@@ -695,6 +717,15 @@ class ExtProcStream:
         restored = chunk
         if request is not None and request.incoming_model is not None and chunk:
             restored = restore_model_name(chunk, request.model, request.incoming_model)
+        held = self._response.held  # only in FULL_DUPLEX_STREAMED mode
+        if held is not None:
+            held.append(restored)
+            if message.end_of_stream:
+                return self._release_held(end_of_stream=True)
+            if held.size > self._settings.max_body_bytes:
+                # Too large to hold: what is held goes on now, the rest as it comes.
+                return self._release_held(end_of_stream=False)
+            return []
         if self.response_body_mode == FULL_DUPLEX_STREAMED:
             return streamed_body_responses(
                 restored, end_of_stream=message.end_of_stream, request=False
@@ -703,6 +734,15 @@ class ExtProcStream:
         if restored is not chunk:
             reply.response.body_mutation.body = restored
         return [ext_proc_pb2.ProcessingResponse(response_body=reply)]
+
+    def _release_held(self, *, end_of_stream: bool) -> list[ProcessingResponse]:
+        """The held response body, sent on in one piece (nothing when no body came: Envoy
+        expects no body reply then).  Trailers release it without ``end_of_stream``: they end
+        the stream, as in the Inference Extension."""
+        held, self._response.held = self._response.held, None
+        if held is None or not held.chunks:
+            return []
+        return streamed_body_responses(held.join(), end_of_stream=end_of_stream, request=False)
 
     def _complete(self, status: int | None = None) -> None:
         if self.decision is None or self._response.completed:

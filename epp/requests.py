@@ -18,6 +18,11 @@ route adds (``/llama/v1/chat/completions`` is a chat), checked in this order as 
 Each may carry ``stream`` (bool) and ``cache_salt`` (non-empty string, as vLLM requires: it
 salts the first KV block's hash, so it changes which pod holds the prefix).
 
+With the ``vllmgrpc-parser`` configured, a call to vLLM's gRPC API (``:path`` ending in
+``vllm.grpc.engine.VllmEngine/Generate`` or ``/Embed``) is read by `epp.vllm_grpc`: a
+``completions`` (Generate) or ``embeddings`` (Embed) request with no model and no JSON body,
+whose bytes are forwarded as sent (`vllm_grpc_method`).
+
 Every other path (``/v1/models``, ``/health``, ``/v1/messages/count_tokens``, ...) is kind
 ``"other"`` and passed through, as llm-d-router's ``passthrough-parser`` does: such a request
 takes its ``model`` from a JSON-object body that names one, and otherwise has ``model=""``; a
@@ -33,6 +38,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
+from epp import vllm_grpc
 from scorers.base import LLMRequest, RequestKind
 
 # Largest request body the EPP buffers; the knob is ``epp.extproc.ExtProcSettings
@@ -90,8 +96,11 @@ def rewrite_model(request: LLMRequest, target: str) -> bool:
     """Point ``request`` at ``target``; False when there is nothing to change (the same model,
     or an API with no model in its body).  Plugins then see the target model (LoRA affinity,
     tokenizers); ``incoming_model`` keeps the client's name for the response and metrics, and
-    `forwarded_body` is what the pod gets."""
+    `forwarded_body` is what the pod gets.  A vLLM gRPC call names no model and its bytes
+    are forwarded as sent, so it is never rewritten."""
     if request.kind in ("other", "conversations") or target == request.model:
+        return False
+    if vllm_grpc_method(request) is not None:
         return False
     if request.incoming_model is None:
         request.incoming_model = request.model
@@ -132,6 +141,14 @@ PARSER_OF_KIND: Final[Mapping[str, str]] = {
     "other": "passthrough-parser",
 }
 ALL_PARSERS: Final = frozenset(PARSER_OF_KIND.values())
+# Not among the defaults (nor is it in llm-d-router's): vLLM's gRPC API is parsed when configured.
+VLLM_GRPC_PARSER: Final = "vllmgrpc-parser"
+
+
+def vllm_grpc_method(request: LLMRequest) -> vllm_grpc.Method | None:
+    """The method of a vLLM gRPC call the ``vllmgrpc-parser`` read (`epp.vllm_grpc`), or None
+    for any other request (a gRPC call passed through is kind ``"other"``)."""
+    return vllm_grpc.vllm_method(request.path) if request.kind != "other" else None
 
 
 # Paths a parser claims but forwards unparsed (routed by load), as llm-d-router's do.
@@ -154,6 +171,9 @@ def parsed_kind(path: str, parsers: frozenset[str] = ALL_PARSERS) -> RequestKind
         return "other"
     if "passthrough-parser" in parsers:
         return "other"
+    if parsers == {VLLM_GRPC_PARSER}:
+        # The Inference Extension's wording, where its gRPC parser is the only one.
+        raise BadRequestError(f"unsupported gRPC path: {path}")
     raise BadRequestError(
         f"no configured parser handles {path.split('?', 1)[0]} (requestHandler.parsers: "
         f"{', '.join(sorted(parsers))})"
@@ -188,6 +208,16 @@ def parse_request(
     """Parse a complete request body into an `LLMRequest`, or raise `BadRequestError`;
     ``parsers``: the parser plugins configured (`parsed_kind`)."""
     check_body_size(len(body), max_body_bytes)
+    if VLLM_GRPC_PARSER in parsers:
+        call = _vllm_grpc_request(body, path=path, headers=headers, request_id=request_id)
+        if call is not None:
+            return call
+        # Another gRPC method (vLLM's HealthCheck, GetModelInfo, ...): passed through when the
+        # passthrough parser runs (llm-d-router), refused otherwise (the Inference Extension).
+        if vllm_grpc.is_grpc(headers.get("content-type", "")) and (
+            "passthrough-parser" not in parsers
+        ):
+            raise BadRequestError(f"unsupported gRPC path: {path}")
     kind = parsed_kind(path, parsers)
     if kind == "other":
         return _other_request(body, path=path, headers=headers, request_id=request_id)
@@ -241,6 +271,32 @@ def parse_request(
                 'request body has no "input" field; an embeddings request needs input'
             )
     return request
+
+
+def _vllm_grpc_request(
+    body: bytes, *, path: str, headers: Mapping[str, str], request_id: str
+) -> LLMRequest | None:
+    """A vLLM gRPC call (Generate: a completions request; Embed: an embeddings request), or
+    None when ``path`` is no vLLM method.  Token ids the call carries are the prompt the model
+    server runs, so they are the request's ``prompt_token_ids`` too."""
+    method = vllm_grpc.vllm_method(path)
+    if method is None:
+        return None
+    try:
+        call = vllm_grpc.parse_call(method, body)
+    except vllm_grpc.VllmGrpcError as exc:
+        raise BadRequestError(str(exc)) from None
+    token_ids = list(call.token_ids) or None
+    return LLMRequest(
+        request_id=request_id,
+        model="",
+        kind="completions" if method == "Generate" else "embeddings",
+        path=path,
+        headers=headers,
+        prompt=token_ids if token_ids is not None else call.text,
+        prompt_token_ids=token_ids,
+        stream=call.stream,
+    )
 
 
 def _other_request(

@@ -7,8 +7,9 @@ means what it says.
   HTTP for vLLM's gauges (`epp.scraping`; the period is ``--refresh-metrics-interval``).
 * ``endpoint-notification-source``: endpoints coming and going, told to the plugins that keep
   per-endpoint state (the KV-cache views subscribe to each pod's events).
-* ``openai-parser``, ``anthropic-parser``, ``passthrough-parser``: request parsing
-  (`epp.requests`), chosen by ``requestHandler.parsers`` (`epp.config_sections`).
+* ``openai-parser``, ``anthropic-parser``, ``passthrough-parser``, ``vllmgrpc-parser``: request
+  parsing (`epp.requests`, `epp.vllm_grpc`), chosen by ``requestHandler.parsers``
+  (`epp.config_sections`).
 * ``inflight-load-producer``: the requests (and prompt tokens) each endpoint has in flight, which
   the EPP counts as it routes and as responses end (`epp.datastore`), for
   ``concurrency-detector``.
@@ -91,6 +92,11 @@ class AnthropicParser(Plugin[NoParameters]):
 @register("passthrough-parser")
 class PassthroughParser(Plugin[NoParameters]):
     """Every path no other parser claims: forwarded unparsed, routed by load."""
+
+
+@register("vllmgrpc-parser")
+class VllmGrpcParser(Plugin[NoParameters]):
+    """vLLM's gRPC API (``vllm.grpc.engine.VllmEngine`` Generate and Embed), byte for byte."""
 
 
 class VllmTokenizer(_Strict):

@@ -378,7 +378,7 @@ def test_request_handler_chooses_the_parsers() -> None:
         "plugins: [{type: queue-scorer}]\nrequestHandler: {parsers: [{pluginRef: queue-scorer}]}"
     ) == (
         "requestHandler.parsers[0].pluginRef: 'queue-scorer' (queue-scorer) is not a parser; "
-        "parsers: openai-parser, anthropic-parser, passthrough-parser",
+        "parsers: openai-parser, anthropic-parser, passthrough-parser, vllmgrpc-parser",
     )
 
 
