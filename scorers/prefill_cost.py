@@ -9,7 +9,8 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
     cost_e = slow_e · ( (1 + (uncomputedTokenWeight − 1) · busy_e) · uncached_e
                       + queued_e + 3 (s / p) · in_flight_e
                       + wait_e / p )         (the request does not fit in e's KV cache)
-           + (uncachedTokenWeight − uncomputedTokenWeight) · (copied_e − free_e)⁺
+           + (uncachedTokenWeight − uncomputedTokenWeight)
+             · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ )
            + F · (uncachedTokenWeight − 1) · ū · N · (share_e − min share)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
@@ -17,12 +18,17 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   imposes on the requests that queue behind it: ``uncomputedTokenWeight − 1`` (1) on a pod as
   busy as the fleet's mean, less on a quieter one (``busy_e``: its requests in flight over
   the fleet's mean, at most 1).  An idle pod takes new work at its bare cost.
-* ``copied_e``: those of them some pod has already computed.  A copy that does not fit in
-  ``e``'s free room (``free_e``: its capacity less what the index says it holds) evicts
-  something else: ``uncachedTokenWeight − uncomputedTokenWeight`` (2) more per token.  New
-  tokens are computed wherever the request goes, so they carry no such premium (a burst on a
-  new prefix spreads instead of queueing behind its first prefill), and a prefix copied into a
-  pod that still has room displaces nothing.
+* Eviction: a token written past ``e``'s free room (``free_e``: its capacity less what the
+  index says it holds) evicts something a later request would have reused:
+  ``uncachedTokenWeight − uncomputedTokenWeight`` (2) more per token.  ``new``: the prompt's
+  tokens no pod has computed yet (per the KV events, predicted entries aside).  They are
+  written wherever the request goes, so what they must evict even on the roomiest pod is no
+  reason to prefer one pod; the premium is the excess over that.  So a copy of a prefix
+  another pod computed pays it, unless it fits in free room; a burst on a new prefix spreads
+  instead of queueing behind its first prefill; and new content goes where there is room
+  rather than onto a pod already full while another has some (at start-up on real vLLM, one
+  pod took six new 1,352-token system prompts into 4,064 tokens and thrashed for the rest of
+  the run).
 * ``queued_e``: prefill work already routed to ``e`` that has not produced its first token.
 * ``s / p``: what one request in flight adds to every engine step, over what one token of
   prefill costs; both learned by `ServiceRates` from the requests this EPP routed.  A first
@@ -246,15 +252,21 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         )
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
         least_share = min(shares.values(), default=0.0)
+        free = {e.address: self._free_room(e, held_anything) for e in endpoints}
+        # Tokens no pod has computed (per the KV events) are written wherever the request goes:
+        # what they must evict on the roomiest pod is no reason to prefer one pod.  Beyond that,
+        # every token written past a pod's free room evicts something some request would have
+        # reused, be it a copy or new content sent to a pod already full while another has room.
+        # (Without the fleet-wide fact every uncached token is taken for a copy.)
+        new_tokens = 0 if computed is None else total - min(total, computed)
+        unavoidable = min((max(0, new_tokens - room) for room in free.values()), default=0)
         costs: dict[str, CostTerms] = {}
         for endpoint in endpoints:
             address = endpoint.address
             held = cached.get(address, 0)
             uncached = max(0, total - held)
-            # Without the fleet-wide fact every uncached token is a copy of someone's blocks.
-            copied = uncached if computed is None else max(0, min(total, computed) - held)
             load = endpoint.load
-            evicting = copied - self._free_room(endpoint, held_anything)
+            evicting = max(0, uncached - free[address]) - unavoidable
             busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
             prefill = (1.0 + delay * busy) * uncached
@@ -274,7 +286,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
 
     @staticmethod
     def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
-        """Tokens of ``endpoint``'s cache holding nothing: a copy that fits there displaces
+        """Tokens of ``endpoint``'s cache holding nothing: a write that fits there displaces
         nothing (0 when the index or the capacity is unknown)."""
         capacity = _capacity(endpoint)
         held = None if held_anything is None else held_anything.get(endpoint.address)

@@ -110,6 +110,29 @@ def test_a_copy_into_free_room_costs_its_prefill_alone() -> None:
     assert costs["holder"] == pytest.approx(0, abs=1)
 
 
+def test_new_content_goes_where_there_is_room_but_a_burst_still_spreads() -> None:
+    scorer = make("prefill-cost-scorer")
+    pods = [ep(name, blocks=4000) for name in ("full", "room")]
+    # A prompt no pod has computed: the full pod would evict 2,000 tokens of others for it,
+    # the one with room nothing.
+    req = prompt(2000)
+    req.data[PREFIX_COMPUTED_TOKENS] = 0
+    req.data[KV_CACHED_TOKENS] = {"full": 63_984, "room": 10_000}
+    costs = scorer.costs(req, pods)
+    assert costs["room"] == pytest.approx(2000)
+    assert costs["full"] == pytest.approx(2000 + 2 * 2000)
+    # Every pod full: it evicts as much anywhere, so no premium steers it.
+    req.data[KV_CACHED_TOKENS] = {"full": 63_984, "room": 63_984}
+    assert scorer.costs(req, pods) == pytest.approx({"full": 2000, "room": 2000})
+    # A burst: "full" is computing the prefix for an earlier request (predicted entries); a
+    # follow-up that duplicates the not-yet-computed prefix on the other full pod pays no
+    # premium, so the burst spreads instead of queueing behind the first prefill.
+    burst = prompt(2000, {"full": 1900})
+    burst.data[PREFIX_COMPUTED_TOKENS] = 0
+    burst.data[KV_CACHED_TOKENS] = {"full": 63_984, "room": 63_984}
+    assert scorer.costs(burst, pods)["room"] == pytest.approx(2000)
+
+
 def test_a_pod_without_kv_room_is_avoided_and_the_cost_rises_smoothly() -> None:
     scorer = make("prefill-cost-scorer")
     # Every pod holds the prompt's 1,000 tokens; the request only needs room for its answer
