@@ -44,11 +44,13 @@ PREFIX_TOTAL_BLOCKS (``"prefix.total_blocks"``): ``int``
     scorer that wrote it last; with it, matched / total is the decision's hit ratio (metric).
 
 PREFIX_MATCH_INFO (``"prefix.match_info/<producer name>"``, see `prefix_match_info_key`): `PrefixMatchInfo`
-    One precise prefix producer's match for the request: per endpoint, the leading blocks it
-    holds (and tier-weighted), the request's full blocks and the block size.  Written by
-    ``precise-prefix-cache-producer`` (and ``precise-prefix-cache-scorer``) under its own
-    plugin name; read by ``prefix-cache-scorer`` when its ``prefixMatchInfoProducerName``
-    names that producer (llm-d-router's split pipeline).
+    One prefix producer's match for the request: per endpoint, the leading blocks it holds
+    (and tier-weighted), the request's full blocks and the block size.  Written under its own
+    plugin name by ``precise-prefix-cache-producer`` (and ``precise-prefix-cache-scorer``),
+    ``approx-prefix-cache-producer``, and ``burst-prefix-cache-producer`` (whose "match" is the
+    replica it places a burst's request on, not what a pod caches); read by
+    ``prefix-cache-scorer`` when its ``prefixMatchInfoProducerName`` names that producer
+    (llm-d-router's split pipeline).
 
 RESPONSE_TIMING (``"response.timing"``): `ResponseTiming`
     When the request was routed, produced its first response byte and finished, on the EPP's
