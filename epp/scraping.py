@@ -45,19 +45,17 @@ again: a server that answers garbage is alive, its metrics merely go stale.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import random
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Final
 
 import aiohttp
 
 from epp.datastore import Datastore
+from epp.prometheus_text import PrometheusTextError, parse_labels, series, snippet
 from scorers.base import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
@@ -87,109 +85,6 @@ class ScrapeError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Parsing
 
-# One `name="value"` pair of the Prometheus text format, value with \\, \" and \n escapes.
-_LABEL: Final = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"\s*(?:,|$)')
-_UNESCAPE: Final = re.compile(r"\\(.)")
-
-
-def _unescape(value: str) -> str:
-    if "\\" not in value:
-        return value
-    return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
-def _snippet(text: str, limit: int = 80) -> str:
-    return repr(text[:limit] + ("…" if len(text) > limit else ""))
-
-
-@functools.lru_cache(maxsize=1024)
-def _parse_labels(name: str, text: str) -> Mapping[str, str]:
-    """Label set of one sample.  Cached: info series repeat the same label text every scrape
-    (the cache is keyed by the text, so a changed label set is parsed afresh)."""
-    labels: dict[str, str] = {}
-    pos, end = 0, len(text)
-    while pos < end and not text[pos:].isspace():
-        m = _LABEL.match(text, pos)
-        if m is None:
-            raise ScrapeError(f"{name}: malformed labels {{{_snippet(text[pos:])[1:-1]}}}")
-        labels[m.group(1)] = _unescape(m.group(2))
-        pos = m.end()
-    return MappingProxyType(labels)
-
-
-_AFTER_NAME: Final = ("{", " ", "\t")
-
-
-def _is_sample_at(text: str, pos: int, name: str) -> bool:
-    return text.startswith(name, pos) and text[pos + len(name) : pos + len(name) + 1] in _AFTER_NAME
-
-
-def _first_sample(text: str, name: str) -> int:
-    """Index of the first line that is a sample of ``name`` (not of a longer name sharing the
-    prefix, like ``vllm:num_requests_waiting_by_reason``), or -1."""
-    if _is_sample_at(text, 0, name):
-        return 0
-    needle = "\n" + name
-    found = text.find(needle)
-    while found != -1 and not _is_sample_at(text, found + 1, name):
-        found = text.find(needle, found + 1)
-    return -1 if found == -1 else found + 1
-
-
-def _first_sample_from_end(text: str, name: str) -> int:
-    """Same result as `_first_sample`, searching backwards: fast for families near the end."""
-    needle = "\n" + name
-    found = text.rfind(needle)
-    while found != -1 and not _is_sample_at(text, found + 1, name):
-        found = text.rfind(needle, 0, found)
-    if found == -1:
-        return 0 if _is_sample_at(text, 0, name) else -1
-    start = found + 1
-    while start > 0:  # walk back to the first line of the group
-        prev = text.rfind("\n", 0, start - 1) + 1
-        if not _is_sample_at(text, prev, name):
-            break
-        start = prev
-    return start
-
-
-def _series(text: str, name: str, *, near_end: bool = False) -> list[tuple[str, float]]:
-    """Every sample of metric ``name`` as (raw label text, value).
-
-    The exposition format requires all samples of a metric to form one group, so reading stops
-    at the first line after the group instead of scanning the rest of the page: the cost is
-    one ``str.find`` up to the group (C speed), not a Python loop over every line.  vLLM
-    registers its ``*_info`` gauges last, so those are searched from the end (``near_end``);
-    the result is the same either way, only the time differs.
-    """
-    out: list[tuple[str, float]] = []
-    n = len(name)
-    start = _first_sample_from_end(text, name) if near_end else _first_sample(text, name)
-    while start != -1:
-        line_end = text.find("\n", start)
-        line = text[start:] if line_end == -1 else text[start:line_end]
-        if not line.startswith(name) or line[n : n + 1] not in _AFTER_NAME:
-            break
-        rest = line[n:]
-        labels = ""
-        if rest[0] == "{":
-            close = rest.rfind("}")
-            if close == -1:
-                raise ScrapeError(f"{name}: unterminated label set in {_snippet(line)}")
-            labels, rest = rest[1:close], rest[close + 1 :]
-        fields = rest.split()
-        if not fields:
-            raise ScrapeError(f"{name}: sample without a value in {_snippet(line)}")
-        try:
-            value = float(fields[0])
-        except ValueError:
-            raise ScrapeError(
-                f"{name}: sample value {fields[0]!r} is not a number in {_snippet(line)}"
-            ) from None
-        out.append((labels, value))
-        start = -1 if line_end == -1 else line_end + 1
-    return out
-
 
 def _finite(name: str, series: list[tuple[str, float]]) -> list[float]:
     values = [v for _, v in series]
@@ -213,14 +108,23 @@ def _optional_int(name: str, label: str, value: str | None) -> int | None:
 
 
 def parse_vllm_metrics(text: str) -> EndpointMetrics:
+    """Map a vLLM Prometheus text page to `EndpointMetrics` (`_vllm_metrics`); a page that
+    breaks the text format is a `ScrapeError` too."""
+    try:
+        return _vllm_metrics(text)
+    except PrometheusTextError as exc:
+        raise ScrapeError(str(exc)) from None
+
+
+def _vllm_metrics(text: str) -> EndpointMetrics:
     """Map a vLLM Prometheus text page to `EndpointMetrics` (``updated_at`` left unset).
 
     Raises `ScrapeError` naming the metric when the page lacks the core gauges (not a vLLM
     server, or not its metrics path) or a sample it needs is malformed.
     """
-    waiting = _series(text, WAITING)
-    running = _series(text, RUNNING)
-    kv = _series(text, KV_USAGE) or _series(text, KV_USAGE_OLD)
+    waiting = series(text, WAITING)
+    running = series(text, RUNNING)
+    kv = series(text, KV_USAGE) or series(text, KV_USAGE_OLD)
     missing = [
         n
         for n, s in (
@@ -232,7 +136,7 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
     ]
     if missing:
         raise ScrapeError(
-            f"not a vLLM metrics page: no {', '.join(missing)}; the page starts {_snippet(text)}"
+            f"not a vLLM metrics page: no {', '.join(missing)}; the page starts {snippet(text)}"
         )
     kv_values = _finite(KV_USAGE, kv)
     metrics = EndpointMetrics(
@@ -241,18 +145,18 @@ def parse_vllm_metrics(text: str) -> EndpointMetrics:
         kv_cache_usage=min(1.0, max(0.0, sum(kv_values) / len(kv_values))),
     )
 
-    lora = _series(text, LORA_INFO, near_end=True)
+    lora = series(text, LORA_INFO, near_end=True)
     if lora:
         label_text, _ = max(lora, key=lambda s: s[1])  # value = time the series was set
-        labels = _parse_labels(LORA_INFO, label_text)
+        labels = parse_labels(LORA_INFO, label_text)
         metrics.running_lora_adapters = _adapters(labels.get("running_lora_adapters", ""))
         metrics.waiting_lora_adapters = _adapters(labels.get("waiting_lora_adapters", ""))
         metrics.max_lora = _optional_int(LORA_INFO, "max_lora", labels.get("max_lora")) or 0
 
     block_size: int | None = None
     num_gpu_blocks: int | None = None
-    for i, (label_text, _) in enumerate(_series(text, CACHE_CONFIG_INFO, near_end=True)):
-        labels = _parse_labels(CACHE_CONFIG_INFO, label_text)
+    for i, (label_text, _) in enumerate(series(text, CACHE_CONFIG_INFO, near_end=True)):
+        labels = parse_labels(CACHE_CONFIG_INFO, label_text)
         size = _optional_int(CACHE_CONFIG_INFO, "block_size", labels.get("block_size"))
         blocks = _optional_int(CACHE_CONFIG_INFO, "num_gpu_blocks", labels.get("num_gpu_blocks"))
         block_size = block_size if block_size is not None else size

@@ -30,13 +30,13 @@ missing the attribute, which the filter's ``onMissing`` decides.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from epp.prometheus_text import PrometheusTextError, parse_labels, series
 from kvcache.settings import parse_duration
 from scorers.base import Endpoint, NoParameters, Plugin, register
 from scorers.endpoint_attribute import DataKey
@@ -59,85 +59,39 @@ class DcgmExtractError(Exception):
 
 
 @dataclass(slots=True, frozen=True)
-class GaugeSample:
+class ExporterSample:
+    """One sample of the exporter's page: its labels and value."""
+
     labels: Mapping[str, str]
     value: float
 
 
-# One `name="value"` pair of the Prometheus text format; the value may escape \\, \" and \n.
-_LABEL: Final = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"\s*(?:,|$)')
-_ESCAPE: Final = re.compile(r"\\(.)")
-
-
-def _labels(metric: str, text: str) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    pos = 0
-    while pos < len(text) and not text[pos:].isspace():
-        match = _LABEL.match(text, pos)
-        if match is None:
-            raise DcgmExtractError(f"{metric}: malformed labels {{{text[pos : pos + 80]}}}")
-        labels[match.group(1)] = _ESCAPE.sub(
-            lambda m: "\n" if m.group(1) == "n" else m.group(1), match.group(2)
-        )
-        pos = match.end()
-    return labels
-
-
-def gauge_samples(page: str, metric: str = GPU_UTIL_METRIC) -> list[GaugeSample]:
-    """Every sample of gauge ``metric`` on a Prometheus text page.
+def gauge_samples(page: str, metric: str = GPU_UTIL_METRIC) -> list[ExporterSample]:
+    """Every sample of gauge ``metric`` on a Prometheus text page, read with the vLLM
+    scraper's parser (`epp.prometheus_text.series`: only the metric's own group of lines).
 
     Raises `DcgmExtractError` when the page has no such metric, declares it other than a gauge
     (upstream reads gauges only; an undeclared type is accepted), or a sample is malformed.
-    Only the metric's own group of lines is read: the text format keeps a metric's samples
-    together, so reading starts at the name's first mention and stops after its last sample.
     """
-    first = page.find(metric)
-    if first == -1:
+    if page.find(metric) == -1:
         raise DcgmExtractError(f"metric {metric} is not on the page")
-    samples: list[GaugeSample] = []
     type_line = f"# TYPE {metric} "
-    pos = page.rfind("\n", 0, first) + 1
-    while pos < len(page):
-        end = page.find("\n", pos)
-        end = len(page) if end == -1 else end
-        line = page[pos:end].strip()
-        pos = end + 1
-        if line.startswith(type_line):
-            kind = line[len(type_line) :].strip()
-            if kind != "gauge":
-                raise DcgmExtractError(f"{metric} is a {kind}, expected a gauge")
-            continue
-        if not line.startswith(metric) or line[len(metric) : len(metric) + 1] not in _AFTER_NAME:
-            if samples and line and not line.startswith("#"):
-                break  # the next metric's samples: this one's group has ended
-            continue
-        samples.append(_sample(metric, line))
+    declared = page.find(type_line)
+    if declared != -1:
+        end = page.find("\n", declared)
+        kind = page[declared + len(type_line) : None if end == -1 else end].strip()
+        if kind != "gauge":
+            raise DcgmExtractError(f"{metric} is a {kind}, expected a gauge")
+    try:
+        samples = [
+            ExporterSample(parse_labels(metric, labels), value)
+            for labels, value in series(page, metric)
+        ]
+    except PrometheusTextError as exc:
+        raise DcgmExtractError(str(exc)) from None
     if not samples:
         raise DcgmExtractError(f"metric {metric} has no samples on the page")
     return samples
-
-
-_AFTER_NAME: Final = ("{", " ", "\t")
-
-
-def _sample(metric: str, line: str) -> GaugeSample:
-    rest = line[len(metric) :]
-    labels: dict[str, str] = {}
-    if rest.startswith("{"):
-        close = rest.rfind("}")
-        if close == -1:
-            raise DcgmExtractError(f"{metric}: unterminated label set in {line[:120]!r}")
-        labels, rest = _labels(metric, rest[1:close]), rest[close + 1 :]
-    fields = rest.split()
-    if not fields:
-        raise DcgmExtractError(f"{metric}: sample without a value in {line[:120]!r}")
-    try:
-        value = float(fields[0])
-    except ValueError:
-        raise DcgmExtractError(
-            f"{metric}: value {fields[0]!r} is not a number in {line[:120]!r}"
-        ) from None
-    return GaugeSample(labels, value)
 
 
 def pod_name(endpoint: Endpoint) -> str | None:
@@ -145,7 +99,7 @@ def pod_name(endpoint: Endpoint) -> str | None:
     return None if endpoint.name in ("", endpoint.address) else endpoint.name
 
 
-def belongs_to(sample: GaugeSample, endpoint: Endpoint) -> bool:
+def belongs_to(sample: ExporterSample, endpoint: Endpoint) -> bool:
     """Whether a series counts for the endpoint (module docstring)."""
     pod = pod_name(endpoint)
     owner = sample.labels.get(POD_LABEL)

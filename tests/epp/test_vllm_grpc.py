@@ -54,6 +54,7 @@ from tests.epp.test_extproc import (
     set_headers,
     streamed,
 )
+from tests.epp.test_gie_hermetic_scenarios import CONFIG as HERMETIC_CONFIG
 from tests.epp.test_gie_hermetic_scenarios import pod
 
 GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
@@ -364,24 +365,8 @@ def test_responses_without_readable_counts_report_none(body: bytes) -> None:
 # ---------------------------------------------------------------------------------------------
 # The Inference Extension's hermetic gRPC scenarios
 
-CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: lora-affinity-scorer
-- type: vllmgrpc-parser
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: kv-cache-utilization-scorer
-  - pluginRef: prefix-cache-scorer
-  - pluginRef: lora-affinity-scorer
-parser: {pluginRef: vllmgrpc-parser}
-"""
+# The hermetic scenarios' configuration with the gRPC parser in place of the OpenAI one.
+CONFIG = HERMETIC_CONFIG.replace("openai-parser", "vllmgrpc-parser")
 POOL = ("inference.networking.k8s.io", "vllm-qwen3-32b-pool")
 PRIORITY_4 = "inference-objective-with-priority-4"
 OBJECTIVES = {"sql-lora": 2, "my-model": 2, PRIORITY_4: 4}
