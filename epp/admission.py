@@ -118,7 +118,7 @@ def pool_saturated(candidates: Sequence[Endpoint]) -> bool:
     """Whether sheddable requests are dropped with admission limits off: llm-d-router's
     utilization-detector with its defaults, metrics stale by the datastore's
     ``--saturation-staleness`` (an empty pool counts as saturated, as upstream)."""
-    load = utilization(
+    load, _ = utilization(
         candidates,
         DEFAULT_QUEUE_DEPTH,
         DEFAULT_KV_UTILIZATION,

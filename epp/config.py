@@ -60,6 +60,7 @@ from epp.config_sections import (
     saturation_detector,
     with_decider_producer,
     with_inline_detector,
+    with_latency_producers,
     with_prefix_producer,
     with_token_producer,
 )
@@ -73,8 +74,9 @@ from scorers.base import (
     PluginContext,
     ProfileHandler,
     create_plugin,
+    known_types,
     plugin_class,
-    registered_types,
+    unknown_type,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,7 +201,13 @@ class EndpointPickerConfig(_Strict):
     @property
     def saturation_detector(self) -> str | None:
         """The name of the plugin that says when sheddable requests are dropped, if named."""
-        return saturation_detector(self.flowControl, self.saturationDetector, self.plugin_types)[0]
+        return saturation_detector(
+            self.flowControl,
+            self.saturationDetector,
+            self.plugin_types,
+            gate_on=self.flow_control_enabled,
+            warn=False,  # resolve_config did, at load
+        )[0]
 
     @property
     def parser_types(self) -> tuple[str, ...]:
@@ -391,10 +399,11 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     classes: dict[str, type[Plugin[Any]]] = {}  # name → class, for plugins whose type is known
     first_index: dict[str, int] = {}
     bad_handlers: list[str] = []
+    last_unknown: int | None = None  # the known types are listed once, on the last of these
 
     with_detector, detector = with_inline_detector(config.plugins, config.saturationDetector)
     specs_in = with_prefix_producer(
-        with_decider_producer(with_token_producer(with_detector, source))
+        with_latency_producers(with_decider_producer(with_token_producer(with_detector, source)))
     )
     for index, spec in enumerate(specs_in):
         where = f"plugins[{index}]"
@@ -408,10 +417,8 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
         try:
             cls = plugin_class(spec.type)
         except PluginConfigError:
-            problems.append(
-                f"{where}.type: unknown plugin type {spec.type!r}; known types: "
-                f"{', '.join(registered_types())}"
-            )
+            problems.append(f"{where}.type: {unknown_type(spec.type)}")
+            last_unknown = len(problems) - 1
             continue
         try:
             cls.Parameters.model_validate(spec.parameters)
@@ -555,10 +562,14 @@ def resolve_config(config: EndpointPickerConfig, source: str = "<config>") -> En
     if config.dataLayer is not None:
         problems += data_layer_problems(config.dataLayer, types)
     problems += parser_types(config.requestHandler, config.parser, types)[1]
-    problems += producer_problems(specs_in, types)
+    # With the producers added for a decider (`with_decider_producer`): a scorer wired to one
+    # by `with_prefix_producer` names a plugin the file does not declare.
+    problems += producer_problems(specs_in, {spec.name: spec.type for spec in specs_in})
     problems += saturation_detector(
         config.flowControl, detector, types, source, gate_on=gates["flowControl"]
     )[1]
+    if last_unknown is not None:
+        problems[last_unknown] += f"; {known_types()}"
     if problems:
         raise ConfigError(source, problems)
     return EndpointPickerConfig(

@@ -23,6 +23,9 @@ the references between plugins its split prefix pipeline uses.
   ``prefix-cache-scorer`` naming none reads the one approximate producer declared, if any; a
   ``token-producer``'s ``modelName`` becomes the ``tokenizer`` of every precise prefix plugin
   that names none.
+* The predicted-latency plugins that name no producer get upstream's defaults created, as its
+  loader creates them: a ``predicted-latency-producer`` and an ``approx-prefix-cache-producer``
+  (`with_latency_producers`).
 """
 
 from __future__ import annotations
@@ -203,16 +206,18 @@ def saturation_detector(
     types: Mapping[str, str],
     source: str = "<config>",
     gate_on: bool = False,
+    warn: bool = True,
 ) -> tuple[str | None, list[str]]:
     """The detector plugin the configuration names (``flowControl.saturationDetector``, else
-    the deprecated top-level ``saturationDetector``), and the problems of these sections."""
+    the deprecated top-level ``saturationDetector``), and the problems of these sections
+    (``warn``: also log the settings a closed gate leaves unused, once, at load)."""
     problems: list[str] = []
     ref, where = None, ""
-    if flow_control is not None and not gate_on:
+    if flow_control is not None:
         unused = sorted(
             k for k, v in flow_control.model_dump(exclude={"saturationDetector"}).items() if v
         )
-        if unused:
+        if unused and not gate_on and warn:
             logger.warning(
                 "%s: flowControl.%s: not applied: the flowControl feature gate is off (as "
                 "llm-d-router, which ignores them then)",
@@ -363,6 +368,53 @@ def with_decider_producer(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
     while name in names:  # the decider reads any producer's match, whatever its name
         name, suffix = f"{default}-{suffix}", suffix + 1
     return [*plugins, PluginSpec(name=name, type=default)]
+
+
+LATENCY_PRODUCER_TYPE: Final = "predicted-latency-producer"
+# The plugins that read a predicted-latency producer's predictions, and those that read a prefix
+# producer's match, under upstream's default producer names when they name none
+# (`scorers.predicted_latency`, `scorers.latency_slo`, `scorers.prefix_affinity_filter`).
+_LATENCY_CONSUMERS: Final = frozenset(
+    {"latency-scorer", "slo-headroom-tier-filter", "latency-slo-admitter"}
+)
+_PREFIX_CONSUMERS: Final = frozenset(
+    {LATENCY_PRODUCER_TYPE, "latency-scorer", "prefix-cache-affinity-filter"}
+)
+
+
+def _reads_default_predictions(spec: PluginSpec) -> bool:
+    params = spec.parameters or {}
+    if params.get("latencyPredictionInfoProducerName"):
+        return False
+    if spec.type == "prefix-cache-affinity-filter":  # only its load gate reads them
+        return (
+            params.get("ttftSource") == "latencyPredictor"
+            and params.get("maxTTFTPenaltyMs", 18000) != 0  # upstream's default gate: on
+        )
+    return spec.type in _LATENCY_CONSUMERS
+
+
+def _reads_default_prefix_match(spec: PluginSpec) -> bool:
+    params = spec.parameters or {}
+    return spec.type in _PREFIX_CONSUMERS and not params.get("prefixMatchInfoProducerName")
+
+
+def with_latency_producers(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
+    """``plugins`` with the producers llm-d-router creates for its predicted-latency plugins
+    when one names none and no plugin has the default name: a ``predicted-latency-producer``
+    for ``latency-scorer``, ``slo-headroom-tier-filter``, ``latency-slo-admitter`` (and a
+    ``prefix-cache-affinity-filter`` whose load gate reads predictions), then an
+    ``approx-prefix-cache-producer`` for those that read a prefix match (which
+    `with_prefix_producer` then also gives a ``prefix-cache-scorer`` naming none, as upstream
+    binds that scorer to the producer it created)."""
+    out = list(plugins)
+    for default, reads in (
+        (LATENCY_PRODUCER_TYPE, _reads_default_predictions),
+        ("approx-prefix-cache-producer", _reads_default_prefix_match),
+    ):
+        if any(map(reads, out)) and all(spec.name != default for spec in out):
+            out.append(PluginSpec(name=default, type=default))
+    return out
 
 
 def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:

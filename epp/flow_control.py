@@ -95,6 +95,38 @@ Outcome = Literal[
 ]
 
 
+class FlowObserver:
+    """What flow control reports; each hook does nothing here (`epp.telemetry.Telemetry`
+    overrides them with llm-d-router's ``flow_control_*`` metrics)."""
+
+    def flow_control_outcome(
+        self, request: LLMRequest | None, outcome: str, priority: int, waited: float
+    ) -> None:
+        """A request left flow control (``waited`` seconds after it arrived)."""
+
+    def flow_control_enqueue(
+        self, request: LLMRequest | None, outcome: str, priority: int, seconds: float
+    ) -> None:
+        """A request was queued (outcome ``NotYetFinalized``) or refused at the door."""
+
+    def flow_control_queue(self, request: LLMRequest | None, count: int, size: int) -> None:
+        """A request started (+1, +bytes) or stopped (-1, -bytes) waiting."""
+
+    def flow_control_cycle(self, seconds: float) -> None:
+        """One dispatch cycle ran."""
+
+    def flow_control_saturation(self, stages: Mapping[str, float]) -> None:
+        """The pool's saturation per stage, as this cycle measured it."""
+
+    def flow_control_capacity(
+        self,
+        bands: Mapping[int, tuple[float, float]],
+        whole: tuple[float | None, float | None],
+    ) -> None:
+        """The share of each band's (priority → requests, bytes) and of the global capacity
+        in use (None where no global limit is configured)."""
+
+
 class FlowControlRejected(PoolSaturatedError):
     """429 with llm-d-router's dropped reason, under llm-d-router's header name."""
 
@@ -341,10 +373,7 @@ class FlowController:
         pool: Callable[[], list[Endpoint]],
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_outcome: Callable[[str, int, float], None] | None = None,
-        on_saturation: Callable[[Mapping[str, float]], None] | None = None,
-        on_queue: Callable[[LLMRequest | None, int, int], None] | None = None,
-        on_capacity: Callable[[Mapping[int, tuple[float, float]]], None] | None = None,
+        observer: FlowObserver | None = None,
     ) -> None:
         self.settings = settings
         self._saturation = saturation
@@ -352,10 +381,7 @@ class FlowController:
         self._fairness = fairness
         self._pool = pool
         self._clock = clock
-        self._on_outcome = on_outcome  # (outcome, priority, seconds waited)
-        self._on_saturation = on_saturation
-        self._on_queue = on_queue  # (request, +1/-1, ± its bytes) around its wait
-        self._on_capacity = on_capacity  # priority → (requests, bytes) used of the band's cap
+        self._observer = observer if observer is not None else FlowObserver()
         self._bands: dict[int, Band] = {}
         self._seq = itertools.count()
         self._waiting = 0
@@ -378,10 +404,12 @@ class FlowController:
         size = request.body_bytes if request is not None else 0
         band = self._band(priority)
         start = self._clock()
+        observer = self._observer
         if not self._has_room(band, size):
             empty = not self._pool()
             outcome: Outcome = "RejectedNoEndpoints" if empty else "RejectedCapacity"
-            self._report(outcome, priority, 0.0)
+            observer.flow_control_enqueue(request, outcome, priority, self._clock() - start)
+            observer.flow_control_outcome(request, outcome, priority, 0.0)
             if empty:
                 raise FlowControlNoEndpoints(
                     "no endpoint to serve the request and its queue is full", outcome
@@ -393,28 +421,29 @@ class FlowController:
             )
         done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         item = Item(next(self._seq), size, start, done, request)
-        if self._on_queue is not None:
-            self._on_queue(request, 1, size)
+        observer.flow_control_queue(request, 1, size)
         queue = band.flows.setdefault(flow, Flow(flow)).items
         queue.append(item)
         band.waiting += 1
         band.bytes += size
         self._waiting += 1
         self._bytes += size
+        observer.flow_control_enqueue(request, "NotYetFinalized", priority, self._clock() - start)
         try:
             self._dispatch()
             self._ensure_ticker()
             outcome = await item.done
         except asyncio.CancelledError:
-            self._report("EvictedContextCancelled", priority, self._clock() - start)
+            observer.flow_control_outcome(
+                request, "EvictedContextCancelled", priority, self._clock() - start
+            )
             raise
         finally:
             if not item.done.done():
                 item.done.cancel()
             self._remove(band, flow, item)
-            if self._on_queue is not None:
-                self._on_queue(request, -1, -size)
-        self._report(outcome, priority, self._clock() - start)
+            observer.flow_control_queue(request, -1, -size)
+        observer.flow_control_outcome(request, outcome, priority, self._clock() - start)
         if outcome == "Dispatched":
             return candidates()
         if outcome == "EvictedNoEndpoints":
@@ -477,24 +506,31 @@ class FlowController:
         upstream, so the pool's measured load can catch up between dispatches."""
         if not self._waiting:
             return
+        started = time.perf_counter()
+        try:
+            self._cycle()
+        finally:
+            self._observer.flow_control_cycle(time.perf_counter() - started)
+
+    def _cycle(self) -> None:
         pool = self._pool()
         now = self._clock()
         self._expire(now, empty=not pool)
         if not pool:
             return
         stages = stage_saturation(pool, self._saturation)
-        if self._on_saturation is not None:
-            self._on_saturation(stages)
-        if self._on_capacity is not None:
-            self._on_capacity(
-                {
-                    b.priority: (
-                        b.waiting / b.settings.max_requests,
-                        b.bytes / b.settings.max_bytes,
-                    )
-                    for b in self._bands.values()
-                }
-            )
+        s = self.settings
+        self._observer.flow_control_saturation(stages)
+        self._observer.flow_control_capacity(
+            {
+                b.priority: (b.waiting / b.settings.max_requests, b.bytes / b.settings.max_bytes)
+                for b in self._bands.values()
+            },
+            (
+                self._waiting / s.max_requests if s.max_requests else None,
+                self._bytes / s.max_bytes if s.max_bytes else None,
+            ),
+        )
         saturation = stages["effective"]
         bands = sorted(self._bands.values(), key=lambda b: -b.priority)
         ceilings = self._limit.ceilings(saturation, len(bands))
@@ -542,10 +578,6 @@ class FlowController:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-
-    def _report(self, outcome: str, priority: int, waited: float) -> None:
-        if self._on_outcome is not None:
-            self._on_outcome(outcome, priority, waited)
 
 
 def build_flow_controller(

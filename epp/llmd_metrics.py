@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scorers.base import LLMRequest
 from scorers.disagg import DISAGG_DECISION, DisaggDecision
+from scorers.disagg_legacy import PD_DECISION
 
 FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 DEFAULT_FAIRNESS_ID: Final = "default-flow"
@@ -40,6 +41,7 @@ _QUEUE_BUCKETS: Final = (
 _SCHEDULER_BUCKETS: Final = (
     0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 )  # fmt: skip
+_CYCLE_BUCKETS: Final = _SCHEDULER_BUCKETS  # upstream's flow-control dispatch and enqueue ones
 
 
 # Label values a client chooses (model names, fairness ids) are capped as llm-d-router caps
@@ -156,6 +158,21 @@ class LlmdMetrics:
             ["model_name", "decision_type"],
             registry=r,
         )
+        # The deprecated pd-profile-handler's own counters (scorers.disagg_legacy), in both
+        # subsystems as upstream.
+        self.pd_decisions = Counter(
+            "llm_d_epp_pd_decision",
+            "P/D decisions of the pd-profile-handler (decode-only or prefill-decode), made "
+            "before the prefill profile runs.",
+            ["plugin_name", "plugin_type", "model_name", "decision_type"],
+            registry=r,
+        )
+        self.pd_decisions_deprecated = Counter(
+            "llm_d_inference_scheduler_pd_decision",
+            "P/D decisions (deprecated name of llm_d_epp_pd_decision_total).",
+            ["model_name", "decision_type"],
+            registry=r,
+        )
 
         self.flow_requests = Counter(
             "llm_d_epp_flow_control_requests",
@@ -164,12 +181,42 @@ class LlmdMetrics:
             ["outcome", "priority", "inference_pool"],
             registry=r,
         )
-        self.flow_queue_duration = Histogram(
-            "llm_d_epp_flow_control_request_queue_duration_seconds",
-            "Time a request waited in flow control, by priority and outcome.",
-            ["priority", "outcome", "inference_pool"],
-            buckets=_QUEUE_BUCKETS,
-            registry=r,
+        self.flow_queue_duration = tuple(
+            Histogram(
+                f"{prefix}_flow_control_request_queue_duration_seconds",
+                "Time a request spent in flow control, from its arrival to its outcome.",
+                [
+                    "fairness_id",
+                    "priority",
+                    "outcome",
+                    "inference_pool",
+                    "model_name",
+                    "target_model_name",
+                ],
+                buckets=_QUEUE_BUCKETS,
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+        self.flow_dispatch_cycle = tuple(
+            Histogram(
+                f"{prefix}_flow_control_dispatch_cycle_duration_seconds",
+                "Time one flow-control dispatch cycle took.",
+                buckets=_CYCLE_BUCKETS,
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+        self.flow_enqueue_duration = tuple(
+            Histogram(
+                f"{prefix}_flow_control_request_enqueue_duration_seconds",
+                "Time to put a request into its flow-control queue (outcome NotYetFinalized) "
+                "or to refuse it.",
+                ["fairness_id", "priority", "outcome"],
+                buckets=_CYCLE_BUCKETS,
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
         )
         queue_labels = ["fairness_id", "priority", "inference_pool", "model_name",
                         "target_model_name"]  # fmt: skip
@@ -203,6 +250,18 @@ class LlmdMetrics:
             ["priority", "inference_pool"],
             registry=r,
         )
+        self.flow_global_capacity_requests = Gauge(
+            "llm_d_epp_flow_control_global_capacity_utilization_requests",
+            "Waiting requests over flowControl.maxRequests (only when it is set).",
+            ["inference_pool"],
+            registry=r,
+        )
+        self.flow_global_capacity_bytes = Gauge(
+            "llm_d_epp_flow_control_global_capacity_utilization_bytes",
+            "Waiting bytes over flowControl.maxBytes (only when it is set).",
+            ["inference_pool"],
+            registry=r,
+        )
         self.flow_saturation = tuple(
             Gauge(
                 f"{prefix}_flow_control_pool_saturation",
@@ -215,14 +274,18 @@ class LlmdMetrics:
         )
 
     def disagg_decided(self, request: LLMRequest) -> None:
-        decision = request.data.get(DISAGG_DECISION)
-        if not isinstance(decision, DisaggDecision):
-            return
         model = self.bound_model(request.model) or "unknown"
-        self.disagg_decisions.labels(
-            decision.plugin_name, decision.plugin_type, model, decision.decision
-        ).inc()
-        self.disagg_decisions_deprecated.labels(model, decision.decision).inc()
+        for key, counter, deprecated in (
+            (DISAGG_DECISION, self.disagg_decisions, self.disagg_decisions_deprecated),
+            (PD_DECISION, self.pd_decisions, self.pd_decisions_deprecated),
+        ):
+            decision = request.data.get(key)
+            if not isinstance(decision, DisaggDecision):
+                continue
+            counter.labels(
+                decision.plugin_name, decision.plugin_type, model, decision.decision
+            ).inc()
+            deprecated.labels(model, decision.decision).inc()
 
     def labels(self, request: LLMRequest) -> tuple[str, str, str, str]:
         """(model_name, target_model_name, fairness_id, priority), capped; the first two are

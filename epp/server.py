@@ -149,6 +149,7 @@ class EndpointPicker:
             if options.pool_name
             else None
         )
+        self.flow_detector: SaturationDetector | None = None  # flow control's, once built
         self.flow_control = self._flow_control(config, detector)
         self.director = Director(
             self.datastore,
@@ -297,16 +298,14 @@ class EndpointPicker:
                 SaturationDetector,
                 create_plugin("utilization-detector", "utilization-detector", None, self.context),
             )
+        self.flow_detector = detector
         datastore = self.datastore
         return build_flow_controller(
             config.flow_control_settings,
             {getattr(p, "name", ""): p for p in self.scheduler.plugins},
             detector.saturation,
             lambda: datastore.routable(datastore.endpoints()),
-            on_outcome=self.telemetry.flow_control_outcome,
-            on_saturation=self.telemetry.flow_control_saturation,
-            on_queue=self.telemetry.flow_control_queue,
-            on_capacity=self.telemetry.flow_control_capacity,
+            observer=self.telemetry,
         )
 
     async def stop(self) -> None:
@@ -469,7 +468,10 @@ class EndpointPicker:
             )
 
     def _plugin_samples(self) -> Iterable[GaugeSample]:
-        for plugin in self.scheduler.plugins:
+        plugins: list[object] = list(self.scheduler.plugins)
+        if self.flow_detector is not None and self.flow_detector not in plugins:
+            plugins.append(self.flow_detector)  # the one flow control injected
+        for plugin in plugins:
             samples = getattr(plugin, "telemetry_samples", None)
             if callable(samples):
                 yield from samples()

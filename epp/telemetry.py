@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from epp.flow_control import FlowObserver
 from epp.gauges import GaugeSample
-from epp.llmd_metrics import LlmdMetrics
+from epp.llmd_metrics import DEFAULT_FAIRNESS_ID, LlmdMetrics
 from scorers.base import LLMRequest, Usage
 
 # Decision latencies are sub-millisecond to tens of milliseconds.
@@ -58,7 +59,7 @@ class _SourceCollector(Collector):
 
 
 @dataclass
-class Telemetry:
+class Telemetry(FlowObserver):
     """Every metric the EPP exports, in its own registry (tests create as many as they like)."""
 
     pool_name: str = "default"
@@ -192,10 +193,34 @@ class Telemetry:
         self.llmd.running.labels(*labels).inc()
         self.llmd.disagg_decided(request)
 
-    def flow_control_outcome(self, outcome: str, priority: int, waited: float) -> None:
+    # -- flow control (epp.flow_control.FlowObserver) -------------------------------------------
+
+    def _flow_labels(self, request: LLMRequest | None) -> tuple[str, str, str]:
+        """(fairness_id, model_name, target_model_name) of a queued request."""
+        if request is None:
+            return DEFAULT_FAIRNESS_ID, "", ""
+        model, target, fairness, _ = self.llmd.labels(request)
+        return fairness, model, target
+
+    def flow_control_outcome(
+        self, request: LLMRequest | None, outcome: str, priority: int, waited: float
+    ) -> None:
         pool = self.pool_name
+        fairness, model, target = self._flow_labels(request)
         self.llmd.flow_requests.labels(outcome, str(priority), pool).inc()
-        self.llmd.flow_queue_duration.labels(str(priority), outcome, pool).observe(waited)
+        for histogram in self.llmd.flow_queue_duration:
+            histogram.labels(fairness, str(priority), outcome, pool, model, target).observe(waited)
+
+    def flow_control_enqueue(
+        self, request: LLMRequest | None, outcome: str, priority: int, seconds: float
+    ) -> None:
+        fairness = self._flow_labels(request)[0]
+        for histogram in self.llmd.flow_enqueue_duration:
+            histogram.labels(fairness, str(priority), outcome).observe(seconds)
+
+    def flow_control_cycle(self, seconds: float) -> None:
+        for histogram in self.llmd.flow_dispatch_cycle:
+            histogram.observe(seconds)
 
     def flow_control_queue(self, request: LLMRequest | None, count: int, size: int) -> None:
         """A request started (+1, +bytes) or stopped (-1, -bytes) waiting in flow control."""
@@ -210,10 +235,22 @@ class Telemetry:
             for gauge in gauges:
                 gauge.labels(*labels).inc(delta)
 
-    def flow_control_capacity(self, bands: Mapping[int, tuple[float, float]]) -> None:
+    def flow_control_capacity(
+        self,
+        bands: Mapping[int, tuple[float, float]],
+        whole: tuple[float | None, float | None],
+    ) -> None:
         for priority, (requests, size) in bands.items():
             self.llmd.flow_capacity_requests.labels(str(priority), self.pool_name).set(requests)
             self.llmd.flow_capacity_bytes.labels(str(priority), self.pool_name).set(size)
+        # As upstream, the global series exist only where a global limit is configured.
+        for gauge, share in zip(
+            (self.llmd.flow_global_capacity_requests, self.llmd.flow_global_capacity_bytes),
+            whole,
+            strict=True,
+        ):
+            if share is not None:
+                gauge.labels(self.pool_name).set(share)
 
     def flow_control_saturation(self, stages: Mapping[str, float]) -> None:
         for stage, value in stages.items():

@@ -13,6 +13,7 @@ a prompt) implements `DataProducer.prepare`, which the scheduler awaits before f
 
 from __future__ import annotations
 
+import difflib
 import math
 import random
 import time
@@ -510,13 +511,23 @@ def registered_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def unknown_type(type_name: str) -> str:
+    """The problem with an unregistered ``type_name``, naming the nearest known types: a typo
+    is the usual cause, and the whole list (60-odd names) is too long to read per plugin."""
+    near = difflib.get_close_matches(type_name, registered_types(), n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+    return f"unknown plugin type {type_name!r}{hint}"
+
+
+def known_types() -> str:
+    return f"known types: {', '.join(registered_types())}"
+
+
 def plugin_class(type_name: str) -> type[Plugin[Any]]:
     try:
         return _REGISTRY[type_name]
     except KeyError:
-        raise PluginConfigError(
-            f"unknown plugin type {type_name!r}; known types: {', '.join(registered_types())}"
-        ) from None
+        raise PluginConfigError(f"{unknown_type(type_name)}; {known_types()}") from None
 
 
 def create_plugin(

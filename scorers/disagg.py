@@ -451,18 +451,25 @@ class DisaggProfileHandler(Plugin[DisaggParameters]):
         )
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        """The sidecar's headers; a client's own values are removed, never forwarded."""
-        names = self.profile_names
-        prefill = result.profiles.get(names.prefill)
-        encode = result.profiles.get(names.encode)
-        request.set_headers[PREFILLER_HEADER] = (
-            host_port(prefill.targets[0]) if prefill is not None and prefill.targets else None
-        )
-        request.set_headers[ENCODERS_HEADER] = (
-            ",".join(host_port(e) for e in encode.targets)
-            if encode is not None and encode.targets
-            else None
-        )
+        set_sidecar_headers(request, result, self.profile_names.prefill, self.profile_names.encode)
+
+
+def set_sidecar_headers(
+    request: LLMRequest, result: SchedulingResult, prefill_profile: str, encode_profile: str
+) -> None:
+    """The routing sidecar's headers from the results of the prefill and encode profiles: the
+    first prefill target, every encode target; a header whose stage did not run (or found no
+    pod) is removed, so a client's own value never reaches the sidecar."""
+    prefill = result.profiles.get(prefill_profile)
+    encode = result.profiles.get(encode_profile)
+    request.set_headers[PREFILLER_HEADER] = (
+        host_port(prefill.targets[0]) if prefill is not None and prefill.targets else None
+    )
+    request.set_headers[ENCODERS_HEADER] = (
+        ",".join(host_port(e) for e in encode.targets)
+        if encode is not None and encode.targets
+        else None
+    )
 
 
 DECIDER_TYPES: Final = (

@@ -52,6 +52,14 @@ PREFIX_MATCH_INFO (``"prefix.match_info/<producer name>"``, see `prefix_match_in
     ``prefix-cache-scorer`` when its ``prefixMatchInfoProducerName`` names that producer
     (llm-d-router's split pipeline).
 
+LATENCY_PREDICTION_INFO (``"latency.prediction_info/<producer name>"``, see `latency_prediction_info_key`): ``dict[str, LatencyPredictionInfo]``
+    Endpoint address → one ``predicted-latency-producer``'s predicted TTFT and TPOT for the
+    request on that endpoint, and their headroom against the request's SLO headers (llm-d-router's
+    ``LatencyPredictionInfo`` endpoint attribute).  Written under the producer's name when a
+    consumer first asks for it (`scorers.predicted_latency`), absent while the producer has no
+    predictions; read by ``latency-scorer``, ``slo-headroom-tier-filter``,
+    ``latency-slo-admitter`` and ``prefix-cache-affinity-filter``.
+
 RESPONSE_TIMING (``"response.timing"``): `ResponseTiming`
     When the request was routed, produced its first response byte and finished, on the EPP's
     clock (``PluginContext.clock``).  Written by the director on the response path, before the
@@ -88,6 +96,7 @@ SESSION_TOKEN: Final = "session-token"
 PREFIX_MATCH_INFO: Final = "prefix.match_info/"
 RESPONSE_TIMING: Final = "response.timing"
 RESPONSE_METADATA: Final = "response.dynamic_metadata"
+LATENCY_PREDICTION_INFO: Final = "latency.prediction_info/"
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +112,29 @@ class PrefixMatchInfo:
 def prefix_match_info_key(producer: str) -> str:
     """The ``request.data`` key of ``producer``'s `PrefixMatchInfo`."""
     return PREFIX_MATCH_INFO + producer
+
+
+@dataclass(slots=True, frozen=True)
+class LatencyPredictionInfo:
+    """A predicted-latency producer's answer for one endpoint (see LATENCY_PREDICTION_INFO);
+    times in milliseconds, headroom = SLO − prediction (negative: the SLO is missed)."""
+
+    ttft_valid: bool
+    tpot_valid: bool
+    ttft_headroom_ms: float
+    tpot_headroom_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    dispatched_requests: int  # requests the producer routed there that have not finished
+
+    @property
+    def is_valid(self) -> bool:
+        return self.ttft_valid and self.tpot_valid
+
+
+def latency_prediction_info_key(producer: str) -> str:
+    """The ``request.data`` key of ``producer``'s `LatencyPredictionInfo` per endpoint."""
+    return LATENCY_PREDICTION_INFO + producer
 
 
 @dataclass(slots=True)

@@ -7,7 +7,10 @@ metrics are older than ``metricsStalenessThreshold`` (or never scraped) counting
 empty pool as 1.  Named by ``flowControl.saturationDetector.pluginRef`` (or the deprecated
 top-level ``saturationDetector.pluginRef``), it decides when sheddable requests (negative
 InferenceObjective priority) are dropped: at 1 or more (`epp.admission`).  Without one, the same
-rule runs with its defaults.  Listed in a profile it is also a filter: it keeps the endpoints
+rule runs with its defaults.  It counts the endpoints it took as full for want of fresh metrics
+(``llm_d_epp_flow_control_stale_endpoints``, labelled with its name) and says so in the log at
+most every 30 s: a dispatch stall with stale endpoints is a scrape problem, not overload.  Listed
+in a profile it is also a filter: it keeps the endpoints
 with fresh metrics under both thresholds (× ``1 + headroom``), or all of them when none is.
 
 ``concurrency-detector`` measures it from what the EPP itself has in flight instead of scraped
@@ -26,17 +29,22 @@ every admitter's denial as an internal error).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from epp.gauges import GaugeSample
 from kvcache.settings import parse_duration
 from scorers.base import Endpoint, LLMRequest, Plugin, PluginConfigError, register
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_QUEUE_DEPTH: Final = 5
 DEFAULT_KV_UTILIZATION: Final = 0.8
+_STALE_WARN_INTERVAL_S: Final = 30.0  # as upstream: enough to see it, not to flood the log
 
 
 def utilization(
@@ -46,13 +54,14 @@ def utilization(
     staleness: float | None,
     *,
     is_stale: Callable[[Endpoint], bool] | None = None,
-) -> float:
-    """The detector's saturation of ``endpoints`` (module docstring): an endpoint never
-    scraped, or (``staleness`` seconds, or ``is_stale`` when given) scraped too long ago,
-    counts as full."""
+) -> tuple[float, int]:
+    """The detector's saturation of ``endpoints`` (module docstring) and how many of them
+    count as full because they were never scraped, or (``staleness`` seconds, or ``is_stale``
+    when given) scraped too long ago."""
     if not endpoints:
-        return 1.0
+        return 1.0, 0
     total = 0.0
+    stale_count = 0
     for ep in endpoints:
         if is_stale is not None:
             stale = is_stale(ep)
@@ -60,6 +69,7 @@ def utilization(
             stale = ep.metrics.updated_at is None or (
                 staleness is not None and ep.metrics_age > staleness
             )
+        stale_count += stale
         total += (
             1.0
             if stale
@@ -68,7 +78,7 @@ def utilization(
                 ep.metrics.kv_cache_usage / kv_threshold,
             )
         )
-    return total / len(endpoints)
+    return total / len(endpoints), stale_count
 
 
 class DetectorParameters(BaseModel):
@@ -100,10 +110,36 @@ class UtilizationDetector(Plugin[DetectorParameters]):
     def __init__(self, name: str, params: BaseModel, context: Any) -> None:
         super().__init__(name, params, context)
         self.staleness = parse_duration(self.p.metricsStalenessThreshold)
+        self.stale_endpoints = 0  # at the last saturation measured
+        self._clock = context.clock
+        self._warned_at = -math.inf
 
     def saturation(self, endpoints: Sequence[Endpoint]) -> float:
         p = self.p
-        return utilization(endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, self.staleness)
+        value, self.stale_endpoints = utilization(
+            endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, self.staleness
+        )
+        now = self._clock()
+        if self.stale_endpoints and now - self._warned_at >= _STALE_WARN_INTERVAL_S:
+            self._warned_at = now
+            logger.warning(
+                "%s: %d of %d endpoints have no metrics newer than %s and count as saturated; "
+                "if dispatch stalls, check the model servers' metrics scraping (path, port, TLS)",
+                self.name,
+                self.stale_endpoints,
+                len(endpoints),
+                p.metricsStalenessThreshold,
+            )
+        return value
+
+    def telemetry_samples(self) -> Iterable[GaugeSample]:
+        yield GaugeSample(
+            "llm_d_epp_flow_control_stale_endpoints",
+            "Endpoints whose metrics were missing or older than the staleness threshold at the "
+            "last saturation measured; they count as saturated.",
+            self.stale_endpoints,
+            (("detector", self.name),),
+        )
 
     def filter(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
         p = self.p
@@ -193,7 +229,7 @@ class ProbabilisticAdmitter(Plugin[AdmitterParameters]):
 
     def rejection_probability(self, endpoints: Sequence[Endpoint]) -> float:
         p = self.p
-        saturation = utilization(endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, None)
+        saturation, _ = utilization(endpoints, p.queueDepthThreshold, p.kvCacheUtilThreshold, None)
         return min(math.pow(saturation, p.power) * p.k, 1.0)
 
     def admit(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None:

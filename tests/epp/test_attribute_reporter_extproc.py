@@ -26,37 +26,9 @@ from epp.scheduler import Scheduler
 from scorers.attribute_reporter import RequestAttributeReporter
 from scorers.base import EndpointMetrics, PluginContext
 from tests.epp.test_extproc import header_map, request_body, response_body, response_headers
+from tests.support.llmd_samples import REQUEST_ATTRIBUTE_REPORTER_CONFIG as UPSTREAM_CONFIG
 from tests.support.mock_metrics_source import mock_metrics_source
 
-# test/integration/epp/testdata/request-attribute-reporter-config.yaml, verbatim.
-UPSTREAM_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-  - type: openai-parser
-  - type: mock-metrics-source
-  - name: total-tokens-cost-reporter
-    type: request-attribute-reporter
-    parameters:
-      attributes:
-        - key:
-            namespace: envoy.lb
-            name: x-gateway-inference-request-cost
-          expression: |
-            usage.completion_tokens
-          condition: "has(usage.completion_tokens)"
-schedulingProfiles:
-  - name: default
-    plugins:
-      - pluginRef: openai-parser
-      - pluginRef: total-tokens-cost-reporter
-requestHandler:
-  parsers:
-  - pluginRef: openai-parser
-dataLayer:
-  sources:
-  - pluginRef: mock-metrics-source
-"""
 COST = "x-gateway-inference-request-cost"
 POD = "192.168.1.1:8000"  # upstream's P(0, 0, 0.1, modelMyModelTarget)
 

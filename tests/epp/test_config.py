@@ -29,6 +29,7 @@ from scorers.prefill_cost import PrefillCostScorer
 from scorers.prefix_approx import PrefixCacheScorer
 from scorers.profiles import SingleProfileHandler
 from tests.scorers.plugin_helpers import context, endpoint, request
+from tests.support.llmd_samples import SIM_EPP_CONFIG
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
@@ -515,11 +516,18 @@ def test_duplicate_yaml_key_is_an_error() -> None:
 
 
 def test_unknown_plugin_type() -> None:
-    (problem,) = problems("plugins:\n- type: queue-scorer\n- type: precise-prefix-cache-scorerz\n")
-    assert problem.startswith(
-        "plugins[1].type: unknown plugin type 'precise-prefix-cache-scorerz'; known types: "
+    found = problems(
+        "plugins:\n- type: queue-scorer\n- type: precise-prefix-cache-scorerz\n- type: zzz\n"
     )
-    assert "queue-scorer" in problem
+    first, last = found
+    assert first == (
+        "plugins[1].type: unknown plugin type 'precise-prefix-cache-scorerz' (did you mean "
+        "'precise-prefix-cache-scorer' or 'precise-prefix-cache-producer' or "
+        "'prefix-cache-scorer'?)"
+    )
+    # The known types are listed once, on the last problem they explain.
+    assert last.startswith("plugins[2].type: unknown plugin type 'zzz'; known types: ")
+    assert "queue-scorer" in last
 
 
 def test_bad_parameter_names_its_path() -> None:
@@ -811,29 +819,9 @@ def test_plugin_that_fails_to_start() -> None:
 
 
 async def test_llm_d_router_approximate_producer_feeds_the_prefix_scorer() -> None:
-    """llm-d-router's deploy/config/sim-epp-config.yaml shape (our copy): the scorer names no
+    """llm-d-router's deploy/config/sim-epp-config.yaml (our copy): the scorer names no
     producer and reads the approximate one; a prompt routed once is found there again."""
-    config = load(
-        """
-        plugins:
-        - type: approx-prefix-cache-producer
-          parameters:
-            maxPrefixTokensToMatch: 16384
-            lruCapacityPerServer: 31250
-        - type: prefix-cache-scorer
-        - type: decode-filter
-        - type: max-score-picker
-        - type: single-profile-handler
-        schedulingProfiles:
-        - name: default
-          plugins:
-          - pluginRef: decode-filter
-          - pluginRef: max-score-picker
-          - pluginRef: prefix-cache-scorer
-            weight: 2
-        """,
-        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n",
-    )
+    config = load_config(text=SIM_EPP_CONFIG)
     scorer = next(s for s in config.plugins if s.type == "prefix-cache-scorer")
     assert scorer.parameters["prefixMatchInfoProducerName"] == "approx-prefix-cache-producer"
     scheduler = build_scheduler(config, context())

@@ -13,6 +13,7 @@ from epp.config import ConfigError, load_config
 from epp.flow_control import (
     FlowControlNoEndpoints,
     FlowControlRejected,
+    FlowObserver,
     build_flow_controller,
     duration,
     quantity,
@@ -109,12 +110,19 @@ class Pool:
 def controller(pool: Pool, text: str = FLOW_CONTROL_CONFIG) -> object:
     config = load_config(text=text)
     outcomes: list[tuple[str, int]] = []
+
+    class Outcomes(FlowObserver):
+        def flow_control_outcome(
+            self, request: LLMRequest | None, outcome: str, priority: int, waited: float
+        ) -> None:
+            outcomes.append((outcome, priority))
+
     fc = build_flow_controller(
         config.flow_control_settings,
         {},
         lambda endpoints: pool.saturation,
         pool,
-        on_outcome=lambda outcome, priority, waited: outcomes.append((outcome, priority)),
+        observer=Outcomes(),
     )
     fc.outcomes = outcomes  # type: ignore[attr-defined]
     return fc
@@ -287,10 +295,7 @@ async def test_flow_control_metrics_follow_the_queue() -> None:
         {},
         lambda endpoints: pool.saturation,
         pool,
-        on_outcome=telemetry.flow_control_outcome,
-        on_saturation=telemetry.flow_control_saturation,
-        on_queue=telemetry.flow_control_queue,
-        on_capacity=telemetry.flow_control_capacity,
+        observer=telemetry,
     )
     value = telemetry.registry.get_sample_value
     labels = {
@@ -310,10 +315,25 @@ async def test_flow_control_metrics_follow_the_queue() -> None:
     assert value("llm_d_epp_flow_control_capacity_utilization_requests", band) == 0.02
     effective = {"inference_pool": "pool", "stage": "effective"}
     assert value("llm_d_epp_flow_control_pool_saturation", effective) == 1.0
+    # The global limits (1k requests, 10 GiB) have their own series.
+    whole = {"inference_pool": "pool"}
+    assert value("llm_d_epp_flow_control_global_capacity_utilization_requests", whole) == 0.001
+    assert value("llm_d_epp_flow_control_global_capacity_utilization_bytes", whole) == (
+        300 / 2**30 / 10
+    )
+    queued = {"fairness_id": "tenant-a", "priority": "-10", "outcome": "NotYetFinalized"}
+    for prefix in ("llm_d_epp", "inference_extension"):
+        assert value(f"{prefix}_flow_control_request_enqueue_duration_seconds_count", queued) == 1
+        # Cycles ran while it waited (one on arrival, then every few milliseconds).
+        assert value(f"{prefix}_flow_control_dispatch_cycle_duration_seconds_count", {}) >= 2
     pool.saturation = 0.0
     await asyncio.wait_for(waiting, 1.0)
     assert value("llm_d_epp_flow_control_queue_size", labels) == 0
     assert value("llm_d_epp_flow_control_queue_bytes", labels) == 0
+    waited = {**labels, "outcome": "Dispatched"}
+    for prefix in ("llm_d_epp", "inference_extension"):
+        name = f"{prefix}_flow_control_request_queue_duration_seconds_count"
+        assert value(name, waited) == 1
     assert (
         value(
             "llm_d_epp_flow_control_requests_total",
@@ -321,3 +341,18 @@ async def test_flow_control_metrics_follow_the_queue() -> None:
         )
         == 1
     )
+
+
+def test_the_gated_sections_detector_reference_is_checked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # With the gate on, a detector the file does not declare is an error, as with it off.
+    text = FLOW_CONTROL_CONFIG.replace("{pluginRef: concurrency-detector}", "{pluginRef: nope}")
+    for gated in (text, text.replace("featureGates: [flowControl]\n", "")):
+        with pytest.raises(ConfigError, match=r"saturationDetector\.pluginRef: 'nope' is not a"):
+            load_config(text=gated)
+    # The settings a closed gate leaves unused are named once, when the file loads.
+    caplog.clear()
+    config = load_config(text=FLOW_CONTROL_CONFIG.replace("featureGates: [flowControl]\n", ""))
+    assert config.saturation_detector == "concurrency-detector"
+    assert caplog.text.count("not applied: the flowControl feature gate is off") == 1

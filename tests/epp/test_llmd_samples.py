@@ -20,7 +20,7 @@ SAMPLES = {
 # Upstream's own strict decoder refuses this sample: its producer has only
 # ``cacheSizeInMBPerServer`` (tests/scorers/test_multimodal_cache.py checks the message).
 UPSTREAM_REJECTS = {"EPP_MM_EMBEDDINGS_CACHE_CONFIG"}
-NEEDS_MOCK_SOURCE = {"DATALAYER_CONFIG"}
+NEEDS_MOCK_SOURCE = {"DATALAYER_CONFIG", "REQUEST_ATTRIBUTE_REPORTER_CONFIG"}
 
 
 def _check(tmp_path: Path, name: str, *flags: str) -> int:
@@ -48,11 +48,12 @@ def test_samples_with_alpha_plugins_need_the_flag(tmp_path: Path) -> None:
     assert "PD_EPP_CONFIG" not in refused  # Beta plugins only
 
 
+@pytest.mark.parametrize("name", sorted(NEEDS_MOCK_SOURCE))
 def test_integration_config_loads_with_the_test_only_source(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _check(tmp_path, "DATALAYER_CONFIG") != 0  # the product has no such source
+    assert _check(tmp_path, name) != 0  # the product has no such source
     assert "mock-metrics-source" in capsys.readouterr().err
     with mock_metrics_source():
-        assert _check(tmp_path, "DATALAYER_CONFIG") == 0
+        assert _check(tmp_path, name) == 0
     assert ": OK (" in capsys.readouterr().out

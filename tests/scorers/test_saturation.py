@@ -29,11 +29,35 @@ def fresh(address: str, *, waiting: int = 0, kv: float = 0.0, age: float = 0.0) 
 def test_utilization_is_the_mean_of_each_endpoints_worse_ratio() -> None:
     pods = [fresh("a:1", waiting=5), fresh("b:1", kv=0.4), fresh("c:1", waiting=1, kv=0.8)]
     # a: max(5/5, 0) = 1; b: max(0, 0.4/0.8) = 0.5; c: max(1/5, 0.8/0.8) = 1.
-    assert utilization(pods, 5, 0.8, 0.2) == pytest.approx(2.5 / 3)
-    # Stale (older than 0.2 s) or never scraped counts as full; no endpoint at all too.
-    assert utilization([fresh("a:1", age=0.3)], 5, 0.8, 0.2) == 1.0
-    assert utilization([endpoint("a:1")], 5, 0.8, None) == 1.0
-    assert utilization([], 5, 0.8, 0.2) == 1.0
+    assert utilization(pods, 5, 0.8, 0.2) == (pytest.approx(2.5 / 3), 0)
+    # Stale (older than 0.2 s) or never scraped counts as full, and as stale; no endpoint at
+    # all is full and none is stale.
+    assert utilization([fresh("a:1", age=0.3), fresh("b:1")], 5, 0.8, 0.2) == (0.5, 1)
+    assert utilization([endpoint("a:1")], 5, 0.8, None) == (1.0, 1)
+    assert utilization([], 5, 0.8, 0.2) == (1.0, 0)
+
+
+def test_the_detector_counts_its_stale_endpoints_in_a_gauge_and_warns_once_in_30_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    ctx = PluginContext(endpoints=StaticEndpoints(), clock=lambda: now[0])
+    detector = make("utilization-detector", {}, ctx=ctx)
+    pods = [fresh("a:1"), fresh("b:1", age=1.0), endpoint("c:1")]
+    assert detector.saturation(pods) == pytest.approx(2 / 3)  # type: ignore[attr-defined]
+    (sample,) = detector.telemetry_samples()  # type: ignore[attr-defined]
+    assert sample.name == "llm_d_epp_flow_control_stale_endpoints"
+    assert (sample.value, sample.labels) == (2, (("detector", "utilization-detector"),))
+    assert "2 of 3 endpoints have no metrics newer than 200ms" in caplog.text
+    caplog.clear()
+    now[0] += 29.0
+    detector.saturation(pods[1:])  # type: ignore[attr-defined]
+    assert caplog.text == ""  # not again within 30 s
+    detector.saturation(pods[:1])  # type: ignore[attr-defined]
+    assert next(detector.telemetry_samples()).value == 0  # type: ignore[attr-defined]
+    now[0] += 2.0
+    detector.saturation(pods)  # type: ignore[attr-defined]
+    assert "2 of 3 endpoints" in caplog.text
 
 
 def test_the_detector_filter_keeps_endpoints_under_its_thresholds_or_all() -> None:
