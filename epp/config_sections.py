@@ -429,6 +429,16 @@ def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:
     model = next((m for m in models if m), None)
     if model is None:
         return list(plugins)
+    if not any(spec.type in PRECISE_TYPES for spec in plugins):
+        # Upstream's approximate producers read its tokens; here they work on characters, so
+        # the tokenizer is not even loaded.
+        logger.info(
+            "%s: token-producer: no plugin of this configuration reads token ids (the "
+            "approximate prefix producers work on characters here); %s is not loaded",
+            source,
+            model,
+        )
+        return list(plugins)
     out = []
     for spec in plugins:
         params = dict(spec.parameters or {})

@@ -91,7 +91,7 @@ from epp.requests import (
     rewrite_model,
     vllm_grpc_method,
 )
-from epp.vllm_grpc import ResponseUsage, is_grpc
+from epp.vllm_grpc import ResponseUsage, grpc_http_status, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
 from scorers.request_data import RESPONSE_METADATA
 
@@ -486,6 +486,10 @@ class ExtProcStream:
         if kind == "response_body":
             return self._with_reported_metadata(self._on_response_body(message.response_body))
         if kind == "response_trailers":
+            ended = decode_headers(message.response_trailers.trailers)
+            self._response.status = grpc_http_status(
+                ended.get("grpc-status"), self._response.status
+            )
             self._complete()
             trailers = ext_proc_pb2.ProcessingResponse(
                 response_trailers=ext_proc_pb2.TrailersResponse()
@@ -675,9 +679,11 @@ class ExtProcStream:
     def _on_response_headers(self, message: Any) -> list[ProcessingResponse]:
         headers = decode_headers(message.headers)
         try:
-            self._response.status = int(headers.get(":status", ""))
+            status = int(headers.get(":status", ""))
         except ValueError:
-            self._response.status = STATUS_UNKNOWN
+            status = STATUS_UNKNOWN
+        # A gRPC error answered "trailers-only" carries its grpc-status in these headers.
+        self._response.status = grpc_http_status(headers.get("grpc-status"), status)
         content_type = headers.get("content-type", "").lower()
         request = self.decision.request if self.decision is not None else None
         method = vllm_grpc_method(request) if request is not None else None

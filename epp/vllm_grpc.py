@@ -68,6 +68,39 @@ def is_grpc(content_type: str) -> bool:
     return content_type.strip().lower().startswith(GRPC_CONTENT_TYPE)
 
 
+# gRPC's own mapping of its status codes onto HTTP's (grpc/grpc doc/http-grpc-status-mapping.md,
+# read the other way), so a failed call counts in the error metrics under the status an HTTP
+# client would have seen; codes without an HTTP twin count as 500.
+_GRPC_TO_HTTP: Final = {
+    1: 499,  # CANCELLED: the client went away
+    3: 400,  # INVALID_ARGUMENT
+    4: 504,  # DEADLINE_EXCEEDED
+    5: 404,  # NOT_FOUND
+    7: 403,  # PERMISSION_DENIED
+    8: 429,  # RESOURCE_EXHAUSTED
+    9: 400,  # FAILED_PRECONDITION
+    11: 400,  # OUT_OF_RANGE
+    12: 501,  # UNIMPLEMENTED
+    14: 503,  # UNAVAILABLE
+    16: 401,  # UNAUTHENTICATED
+}
+
+
+def grpc_http_status(grpc_status: str | None, http_status: int) -> int:
+    """The status a gRPC call ended with, as HTTP: ``http_status`` (the response's ``:status``)
+    unless the call's ``grpc-status`` (in its trailers, or its headers for a trailers-only
+    answer) says it failed."""
+    if grpc_status is None:
+        return http_status
+    try:
+        code = int(grpc_status)
+    except ValueError:
+        return 500  # not a status at all: a broken answer
+    if code == 0:
+        return http_status
+    return _GRPC_TO_HTTP.get(code, 500)
+
+
 # ---------------------------------------------------------------------------------------------
 # Frames
 

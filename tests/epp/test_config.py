@@ -29,7 +29,7 @@ from scorers.prefill_cost import PrefillCostScorer
 from scorers.prefix_approx import PrefixCacheScorer
 from scorers.profiles import SingleProfileHandler
 from tests.scorers.plugin_helpers import context, endpoint, request
-from tests.support.llmd_samples import SIM_EPP_CONFIG
+from tests.support.llmd_samples import EPP_PRECISE_PREFIX_CACHE_CONFIG, SIM_EPP_CONFIG
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
@@ -853,3 +853,20 @@ def test_a_prefix_scorer_reading_a_producer_refuses_its_own_index_parameters() -
     )
     scorer = next(s for s in config.plugins if s.type == "prefix-cache-scorer")
     assert "prefixMatchInfoProducerName" not in scorer.parameters
+
+
+def test_a_token_producer_nothing_reads_is_said_to_be_unused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    with_precise = EPP_PRECISE_PREFIX_CACHE_CONFIG
+    approximate_only = SIM_EPP_CONFIG.replace(
+        "plugins:\n", "plugins:\n- type: token-producer\n  parameters: {modelName: some/model}\n", 1
+    )
+    load_config(text=approximate_only)
+    assert "no plugin of this configuration reads token ids" in caplog.text
+    assert "some/model is not loaded" in caplog.text
+    caplog.clear()
+    load_config(text=with_precise)
+    assert "prompts are tokenized in this EPP with hf-repo/model-name's tokenizer" in caplog.text
+    assert "no plugin of this configuration reads token ids" not in caplog.text

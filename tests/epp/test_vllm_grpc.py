@@ -40,12 +40,14 @@ from epp.vllm_grpc import (
     ResponseUsage,
     VllmGrpcError,
     first_frame,
+    grpc_http_status,
     is_grpc,
     parse_call,
     vllm_method,
 )
 from scorers.base import PluginContext, Usage
 from tests.epp.test_extproc import (
+    header_map,
     immediate,
     request_body,
     request_headers,
@@ -662,3 +664,43 @@ def test_the_parser_is_declared_and_chosen_like_the_others() -> None:
     assert both.parser_types == ("openai-parser", "vllmgrpc-parser")
     default = parse_config(CONFIG.replace("parser: {pluginRef: vllmgrpc-parser}\n", ""))
     assert "vllmgrpc-parser" not in default.parser_types  # only when asked for
+
+
+def test_a_grpc_status_maps_onto_the_http_status_a_client_would_have_seen() -> None:
+    assert grpc_http_status(None, 200) == 200
+    assert grpc_http_status("0", 200) == 200
+    assert grpc_http_status("14", 200) == 503  # UNAVAILABLE
+    assert grpc_http_status("8", 200) == 429  # RESOURCE_EXHAUSTED
+    assert grpc_http_status("3", 200) == 400  # INVALID_ARGUMENT
+    assert grpc_http_status("2", 200) == 500  # UNKNOWN: no HTTP twin
+    assert grpc_http_status("x", 200) == 500
+
+
+async def test_a_failed_grpc_call_counts_as_an_error_by_its_trailers() -> None:
+    epp = Harness([pod(0, 4, 0.2)])
+    errors = {**LABELS_2, "error_code": "503"}
+    await epp.request([generate("test1")])
+    await epp.stream.handle(response_headers(200, "application/grpc"))
+    failed = header_map({"grpc-status": "14", "grpc-message": "engine is shutting down"})
+    await epp.stream.handle(
+        ext_proc_pb2.ProcessingRequest(response_trailers=ext_proc_pb2.HttpTrailers(trailers=failed))
+    )
+    assert epp.sample("inference_objective_request_error_total", errors) == 1
+    # A call that succeeded (grpc-status 0) is no error.
+    second = Harness([pod(0, 4, 0.2)])
+    await second.request([generate("test1")])
+    await second.response(complete(prompt_tokens=1, completion_tokens=1))
+    assert second.sample("inference_objective_request_error_total", errors) is None
+
+
+async def test_a_trailers_only_grpc_error_counts_by_its_headers() -> None:
+    epp = Harness([pod(0, 4, 0.2)])
+    await epp.request([generate("test1")])
+    headers = header_map({":status": "200", "content-type": "application/grpc", "grpc-status": "8"})
+    await epp.stream.handle(
+        ext_proc_pb2.ProcessingRequest(
+            response_headers=ext_proc_pb2.HttpHeaders(headers=headers, end_of_stream=True)
+        )
+    )
+    errors = {**LABELS_2, "error_code": "429"}
+    assert epp.sample("inference_objective_request_error_total", errors) == 1

@@ -11,18 +11,16 @@ last known endpoints, and once the watch is back the EPP converges on the truth.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
-import yaml
 
+from launcher.kube_api import KubeApiThread, write_kubeconfig
 from launcher.observe import metric, scrape, wait_for
 from launcher.ports import reserve_port
 from launcher.processes import (
@@ -39,44 +37,12 @@ from launcher.processes import (
 from launcher.stack import MODEL
 from launcher.traffic import Traffic, failures
 from tests.reliability.reporting import report
-from tests.support.fake_kube import FakeKubeApiServer
 
 pytestmark = pytest.mark.slow
 
 LABELS = {"app": "vllm"}
 HOSTS = ("127.0.0.2", "127.0.0.3")
 T = TypeVar("T")
-
-
-class KubeThread:
-    """The fake API server on a loop of its own; `call` runs a function on that loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.server = FakeKubeApiServer()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="fake-kube", daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        async def run() -> T:
-            return fn(*args, **kwargs)
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _port_free_on_all(hosts: tuple[str, ...]) -> int:
@@ -92,7 +58,9 @@ def _port_free_on_all(hosts: tuple[str, ...]) -> int:
 
 
 class Cluster:
-    def __init__(self, kube: KubeThread, procs: ProcessGroup, gateway: str, metrics: str) -> None:
+    def __init__(
+        self, kube: KubeApiThread, procs: ProcessGroup, gateway: str, metrics: str
+    ) -> None:
         self.kube = kube
         self.procs = procs
         self.gateway = gateway
@@ -112,7 +80,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, llama3_tokenizer_dir: Path
 ) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("kube")
-    kube = KubeThread()
+    kube = KubeApiThread()
     procs = ProcessGroup()
     try:
         http, pub, replay = (_port_free_on_all(HOSTS) for _ in range(3))
@@ -126,21 +94,7 @@ def cluster(
             proc = procs.add(f"pod-{i}", spawn(command, log))
             asyncio.run(wait_http(f"http://{ports.address}/health", proc, log))
         kube.call(kube.server.put_pool, "pool", match_labels=LABELS, ports=[http])
-        kubeconfig = work / "kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "fake", "cluster": {"server": kube.server.url}}],
-                    "users": [{"name": "nobody", "user": {}}],
-                    "contexts": [
-                        {"name": "fake", "context": {"cluster": "fake", "user": "nobody"}}
-                    ],
-                    "current-context": "fake",
-                }
-            )
-        )
+        kubeconfig = write_kubeconfig(work / "kubeconfig", kube.url)
         cluster = Cluster(kube, procs, "", "")
         for i in range(2):
             cluster.put_pod(i)
