@@ -66,6 +66,21 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
 
 
+class GivenFlag(argparse.Action):
+    """Stores the value and records the option in ``flags_given``: a flag the configuration
+    can also set (a pod port) may differ from it only at its default."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.flags_given = getattr(namespace, "flags_given", frozenset()) | {self.dest}
+
+
 def optional_positive_int(text: str) -> int | None:
     return None if text.lower() in ("", "none", "off", "0") else positive_int(text)
 
@@ -100,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the endpoint picker: ext_proc for Envoy, gRPC health, Prometheus metrics.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    s.set_defaults(flags_given=frozenset())
     s.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port Envoy calls")
     s.add_argument(
         "--grpc-health-port",
@@ -150,15 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--kv-events-port",
         type=optional_port,
+        action=GivenFlag,
         default=5557,
         help="port of each pod's KV-event publisher (vLLM --kv-events-config endpoint tcp://*:PORT); "
-        "'off' to not subscribe",
+        "'off' to not subscribe; a precise prefix plugin's podDiscoveryConfig.socketPort sets it "
+        "too (they must agree)",
     )
     ev.add_argument(
         "--kv-events-replay-port",
         type=optional_port,
+        action=GivenFlag,
         default=None,
-        help="port of each pod's replay ROUTER (vLLM replay_endpoint); enables gap recovery",
+        help="port of each pod's replay ROUTER (vLLM replay_endpoint); enables gap recovery; "
+        "podDiscoveryConfig.replaySocketPort sets it too (they must agree)",
     )
     m = s.add_argument_group("endpoint metrics")
     m.add_argument(

@@ -12,8 +12,8 @@ the references between plugins its split prefix pipeline uses.
   this EPP does built in, so other pairings, and ``discovery`` (use the InferencePool,
   ``--endpoints`` or ``--endpoints-file``), are errors.  ``injectDefaults`` is accepted.
 * ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
-  ``passthrough-parser``, ``vllmgrpc-parser``, each declared); default the first three, as
-  llm-d-router's default list (less its ``vllmhttp-parser``, not offered).
+  ``vllmhttp-parser``, ``passthrough-parser``, ``vllmgrpc-parser``, ``sglanghttp-parser``,
+  ``vertexai-parser``, each declared); default the first four, llm-d-router's default list.
 * ``flowControl.saturationDetector`` (or the deprecated top-level ``saturationDetector``) names
   the ``utilization-detector`` that measures the pool's saturation: when sheddable requests are
   dropped, or, with the ``flowControl`` gate, when waiting requests are dispatched; with the
@@ -46,11 +46,15 @@ FEATURE_GATES: Final[Mapping[str, bool]] = {
 PARSER_TYPES: Final = (
     "openai-parser",
     "anthropic-parser",
+    "vllmhttp-parser",
     "passthrough-parser",
     "vllmgrpc-parser",
+    "sglanghttp-parser",
+    "vertexai-parser",
 )
-# The parsers that run when the configuration names none (vLLM's gRPC API only when asked for).
-DEFAULT_PARSER_TYPES: Final = PARSER_TYPES[:3]
+# The parsers that run when the configuration names none, as llm-d-router's loader
+# (pkg/epp/config/loader/defaults.go, ensureParsers); the others only when asked for.
+DEFAULT_PARSER_TYPES: Final = PARSER_TYPES[:4]
 PRECISE_TYPES: Final = ("precise-prefix-cache-producer", "precise-prefix-cache-scorer")
 BURST_PRODUCER_TYPE: Final = "burst-prefix-cache-producer"
 PREFIX_PRODUCER_TYPES: Final = (

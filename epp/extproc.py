@@ -43,7 +43,8 @@ Inference Extension's EPP uses it; summarized in ``docs/design.md``, "Envoy ext_
    body or of the last SSE ``data:`` event carrying one.  A vLLM gRPC call's response
    (``application/grpc``, `epp.vllm_grpc`) has its token counts read from its messages; when
    the call did not ask to stream, its body is held and sent on in one piece at its end or
-   at its trailers (which end every gRPC response), as the Inference Extension does.
+   at its trailers (which end every gRPC response), as the Inference Extension does.  SGLang's
+   ``/generate`` and Vertex AI's responses are read their own way (`epp.parser_claims`).
    `Router.response_complete` is called exactly once per routed request: at the response's
    end of stream, at its trailers, or when the gRPC stream ends or is cancelled first.  What
    its ResponseComplete plugins report for Envoy (``request-attribute-reporter``'s request
@@ -78,6 +79,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from epp.generate_requests import SGLangUsage
+from epp.parser_claims import response_usage_reader
 from epp.requests import (
     ALL_PARSERS,
     DEFAULT_MAX_BODY_BYTES,
@@ -91,6 +94,7 @@ from epp.requests import (
     rewrite_model,
     vllm_grpc_method,
 )
+from epp.vertex_ai import VertexUsage
 from epp.vllm_grpc import ResponseUsage, grpc_http_status, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
 from scorers.request_data import RESPONSE_METADATA
@@ -399,7 +403,7 @@ class Phase(enum.Enum):
 @dataclass(slots=True)
 class _ResponseState:
     status: int = STATUS_UNKNOWN
-    usage: UsageScanner | ResponseUsage | None = None
+    usage: UsageScanner | ResponseUsage | SGLangUsage | VertexUsage | None = None
     completed: bool = False
     # A unary vLLM gRPC response's body, sent on in one piece at its end (`_release_held`).
     held: _Body | None = None
@@ -687,18 +691,23 @@ class ExtProcStream:
         content_type = headers.get("content-type", "").lower()
         request = self.decision.request if self.decision is not None else None
         method = vllm_grpc_method(request) if request is not None else None
+        limit = self._settings.max_usage_scan_bytes
+        native = (
+            response_usage_reader(request, content_type, limit) if request is not None else None
+        )
         if request is not None and method is not None and is_grpc(content_type):
-            limit = self._settings.max_usage_scan_bytes
             self._response.usage = ResponseUsage(method, limit=limit)
             # As the Inference Extension: a call that did not ask to stream gets its response
             # in one piece, at the body's end or at the trailers that end a gRPC response.
             unary = not request.stream and not message.end_of_stream
             if unary and self.response_body_mode == FULL_DUPLEX_STREAMED:
                 self._response.held = _Body()
+        elif native is not None:
+            # SGLang's meta_info, Vertex AI's gRPC-wrapped JSON (`epp.parser_claims`).
+            self._response.usage = native
         else:
             self._response.usage = UsageScanner(
-                streaming="text/event-stream" in content_type,
-                limit=self._settings.max_usage_scan_bytes,
+                streaming="text/event-stream" in content_type, limit=limit
             )
         if self.decision is not None and not self._response.completed:
             self._notify(

@@ -23,6 +23,21 @@ With the ``vllmgrpc-parser`` configured, a call to vLLM's gRPC API (``:path`` en
 ``completions`` (Generate) or ``embeddings`` (Embed) request with no model and no JSON body,
 whose bytes are forwarded as sent (`vllm_grpc_method`).
 
+Pre-tokenized and wrapped APIs, each read when its parser is configured (claimed by
+`epp.parser_claims`):
+
+- ``vllmhttp-parser`` (one of the defaults, as llm-d-router's): vLLM's ``…/inference/v1/generate``
+  (`epp.generate_requests`), a ``completions`` request whose token ids are its prompt and
+  ``prompt_token_ids``; it must name a model (or carry a model rewrite header), as upstream's
+  director requires of a body whose model it can rewrite.  Other paths are not its own.
+- ``sglanghttp-parser``: SGLang's ``/generate``, likewise, with no model.
+- ``vertexai-parser``: Vertex AI's gRPC ``PredictionService`` calls (`epp.vertex_ai`): a ``chat``
+  or ``responses`` request from the JSON inside, forwarded as sent.
+
+Paths are claimed by their ending as llm-d-router's registry claims them (longest claimed
+ending wins; ``…/inference/v1/generate`` is vLLM's even when SGLang's ``generate`` is also
+configured); their claims and the OpenAI and Anthropic ones never overlap.
+
 Every other path (``/v1/models``, ``/health``, ``/v1/messages/count_tokens``, ...) is kind
 ``"other"`` and passed through, as llm-d-router's ``passthrough-parser`` does: such a request
 takes its ``model`` from a JSON-object body that names one, and otherwise has ``model=""``; a
@@ -38,7 +53,10 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-from epp import vllm_grpc
+from epp import generate_requests, vertex_ai, vllm_grpc
+from epp.generate_requests import SGLANG_HTTP_PARSER, VLLM_HTTP_PARSER, GenerateError
+from epp.parser_claims import claimed_by, native_parser
+from epp.vertex_ai import VERTEX_AI_PARSER, VertexAIError
 from scorers.base import LLMRequest, RequestKind
 
 # Largest request body the EPP buffers; the knob is ``epp.extproc.ExtProcSettings
@@ -97,10 +115,13 @@ def rewrite_model(request: LLMRequest, target: str) -> bool:
     or an API with no model in its body).  Plugins then see the target model (LoRA affinity,
     tokenizers); ``incoming_model`` keeps the client's name for the response and metrics, and
     `forwarded_body` is what the pod gets.  A vLLM gRPC call names no model and its bytes
-    are forwarded as sent, so it is never rewritten."""
+    are forwarded as sent, so it is never rewritten; nor are SGLang's and Vertex AI's (their
+    llm-d-router parsers rewrite no model)."""
     if request.kind in ("other", "conversations") or target == request.model:
         return False
     if vllm_grpc_method(request) is not None:
+        return False
+    if native_parser(request) in (SGLANG_HTTP_PARSER, VERTEX_AI_PARSER):
         return False
     if request.incoming_model is None:
         request.incoming_model = request.model
@@ -122,7 +143,10 @@ def forwarded_body(request: LLMRequest) -> bytes:
 def restore_model_name(chunk: bytes, target: str, incoming: str) -> bytes:
     """A response chunk with ``"model":"<target>"`` (or ``"model": "<target>"``) back to the
     client's name, byte for byte otherwise (as llm-d-router does; a name split across two
-    chunks of a stream stays as the server wrote it)."""
+    chunks of a stream stays as the server wrote it).  A client that named no model (a
+    rewritten vLLM generate call) gets the server's name, as upstream."""
+    if not incoming or target == incoming:
+        return chunk
     for separator in (":", ": "):
         old = f'"model"{separator}"{target}"'.encode()
         if old in chunk:
@@ -140,7 +164,8 @@ PARSER_OF_KIND: Final[Mapping[str, str]] = {
     "messages": "anthropic-parser",
     "other": "passthrough-parser",
 }
-ALL_PARSERS: Final = frozenset(PARSER_OF_KIND.values())
+# The parsers that run when none are configured, as llm-d-router's default list.
+ALL_PARSERS: Final = frozenset({*PARSER_OF_KIND.values(), VLLM_HTTP_PARSER})
 # Not among the defaults (nor is it in llm-d-router's): vLLM's gRPC API is parsed when configured.
 VLLM_GRPC_PARSER: Final = "vllmgrpc-parser"
 
@@ -208,6 +233,13 @@ def parse_request(
     """Parse a complete request body into an `LLMRequest`, or raise `BadRequestError`;
     ``parsers``: the parser plugins configured (`parsed_kind`)."""
     check_body_size(len(body), max_body_bytes)
+    claimed = claimed_by(path, parsers)
+    if claimed is not None:
+        try:
+            native = _native_request(claimed, body, path, headers, request_id)
+        except (GenerateError, VertexAIError) as exc:
+            raise BadRequestError(str(exc)) from None
+        return native or _other_request(body, path=path, headers=headers, request_id=request_id)
     if VLLM_GRPC_PARSER in parsers:
         call = _vllm_grpc_request(body, path=path, headers=headers, request_id=request_id)
         if call is not None:
@@ -296,6 +328,57 @@ def _vllm_grpc_request(
         prompt=token_ids if token_ids is not None else call.text,
         prompt_token_ids=token_ids,
         stream=call.stream,
+    )
+
+
+def _native_request(
+    parser: str, body: bytes, path: str, headers: Mapping[str, str], request_id: str
+) -> LLMRequest | None:
+    """The request a pre-tokenized or Vertex AI ``parser`` reads (its errors are the client's
+    400), or None for a claimed Vertex AI path it passes through unread."""
+    if parser == VERTEX_AI_PARSER:
+        method = vertex_ai.vertex_method(path)
+        if method is None:
+            return None
+        call = vertex_ai.parse_call(method, body)
+        document = call.document
+        model, salt = document.get("model"), document.get("cache_salt")
+        if call.kind == "chat":
+            messages = list(document["messages"])
+        elif isinstance(document.get("input"), str | list):
+            messages = _responses_messages(document)
+        else:
+            messages = []  # any other input is upstream's too; the model server judges it
+        return LLMRequest(
+            request_id=request_id,
+            model=model if isinstance(model, str) else "",
+            kind=call.kind,
+            path=path,
+            headers=headers,
+            body=document,
+            messages=messages,
+            cache_salt=salt if isinstance(salt, str) and salt else None,
+            stream=document.get("stream") is True,
+        )
+    if parser == VLLM_HTTP_PARSER:
+        generate = generate_requests.parse_vllm_generate(body, path)
+        if not generate.model and model_rewrite(headers) is None:
+            # Upstream's director refuses a body whose model it could rewrite but names none.
+            raise BadRequestError("model not found in request body")
+    else:
+        generate = generate_requests.parse_sglang_generate(body, path)
+    return LLMRequest(
+        request_id=request_id,
+        model=generate.model,
+        kind="completions",
+        path=path,
+        headers=headers,
+        body=generate.document,
+        prompt=list(generate.token_ids),
+        prompt_token_ids=list(generate.token_ids),
+        prompt_mm_items=generate.mm_items,
+        cache_salt=generate.cache_salt,
+        stream=generate.stream,
     )
 
 

@@ -25,9 +25,9 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -61,6 +61,7 @@ from epp.telemetry import Telemetry
 from epp.tls import server_credentials
 from indexer.hashing import CACHE_BYTES_PER_BLOCK, live_cache_blocks
 from indexer.tokenization import CACHE_BYTES_PER_TOKEN, live_segment_caches
+from kvcache.settings import KVEventsSettings
 from scorers.base import PluginContext, SaturationDetector, create_plugin
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,48 @@ class ServerOptions:
     endpoint_selector: str | None = None
     endpoint_target_ports: str | None = None
     allow_experimental_plugins: bool | None = None
+    # The options set on the command line (the others hold their defaults): the configuration
+    # may set some of them another way, and only a value the user chose can disagree with it.
+    flags_given: frozenset[str] = frozenset()
+
+
+_POD_PORTS = (
+    # (option, KVEventsSettings key, llm-d-router's key in podDiscoveryConfig)
+    ("kv_events_port", "publisherPort", "socketPort"),
+    ("kv_events_replay_port", "replayPort", "replaySocketPort"),
+)
+
+
+def with_pod_event_ports(
+    options: ServerOptions, views: Sequence[KVEventsSettings]
+) -> ServerOptions:
+    """``options`` with each pod's KV-event ports taken from the KV-cache views' settings where
+    they name them (llm-d-router's ``kvEventsConfig.podDiscoveryConfig``): discovery gives every
+    endpoint one publisher and one replay address, so the views must agree, and a flag given on
+    the command line must say the same.  Raises ValueError naming both sides otherwise."""
+    for option, key, llmd_key in _POD_PORTS:
+        ports = sorted({port for view in views if (port := getattr(view, key)) is not None})
+        if not ports:
+            continue
+        flag = "--" + option.replace("_", "-")
+        if len(ports) > 1:
+            raise ValueError(
+                f"the precise prefix plugins name different per-pod ports ({key} / "
+                f"podDiscoveryConfig.{llmd_key}: {', '.join(map(str, ports))}); each pod has one "
+                f"address for them ({flag}): configure one port"
+            )
+        (port,) = ports
+        given = getattr(options, option)
+        if option in options.flags_given and given != port:
+            raise ValueError(
+                f"{flag} {given or 'off'} and the configuration's {key} "
+                f"(podDiscoveryConfig.{llmd_key}) {port} disagree: drop the flag or make them "
+                "equal"
+            )
+        if given != port:
+            logger.info("%s %d, from the configuration's %s", flag, port, key)
+        options = replace(options, **{option: port})
+    return options
 
 
 class EndpointPicker:
@@ -131,6 +174,9 @@ class EndpointPicker:
             self.context,
             on_plugin_duration=self.telemetry.observe_plugin,
             allow_experimental_plugins=bool(options.allow_experimental_plugins),
+        )
+        self.options = options = with_pod_event_ports(
+            options, [view.settings.kvEvents for view in self.context.kv_caches]
         )
         configured = self.scheduler.plugin(config.saturation_detector or "")
         detector = configured if isinstance(configured, SaturationDetector) else None

@@ -25,8 +25,9 @@ something this EPP does not do); none is dropped silently:
 ``--metrics-staleness-threshold``             accepted: this EPP ages metrics per endpoint
                                               (``--saturation-staleness``); logged when set
 ``--allow-experimental-plugins``              allows the plugins llm-d-router marks Alpha
-                                              (the ``topology-*`` ones); without it they
-                                              are a configuration error, as upstream
+                                              (``topology-*``, ``header-profile-handler``,
+                                              ...); without it they are a configuration
+                                              error, as upstream
 ============================================  ===============================================
 
 The Inference Extension's image runs the EPP binary with these flags and no subcommand:
@@ -86,7 +87,8 @@ def add_flags(parser: argparse.ArgumentParser, boolean: Callable[[str], bool]) -
     )
     flag(
         "--allow-experimental-plugins",
-        "allow the plugins llm-d-router marks Alpha (topology-*); refused without it",
+        "allow the plugins llm-d-router marks Alpha (topology-*, header-profile-handler, ...); "
+        "refused without it",
     )
 
 

@@ -9,7 +9,7 @@ llm-d-router writes::
                            costAwareMemoryConfig, enableMetrics, metricsLoggingInterval}
       kvCacheBackendConfigs: [{name, weight}]
     kvEventsConfig: {zmqEndpoint, topicFilter, concurrency, engineType, discoverPods,
-                     podDiscoveryConfig}
+                     podDiscoveryConfig: {socketPort, replaySocketPort}}
 
 Each key is mapped, or accepted because this EPP does the same thing another way (said in
 `ACCEPTED`), or refused with the reason (`translate` raises `ValueError`).  Nothing is dropped
@@ -157,14 +157,18 @@ def _events(section: Any) -> dict[str, Any]:
     )
     if ev.get("engineType", "vllm") != "vllm":
         raise ValueError(f"{where}.engineType {ev['engineType']!r}: only vllm is supported")
-    if "podDiscoveryConfig" in ev:
-        raise ValueError(
-            f"{where}.podDiscoveryConfig: pods are the InferencePool's (or --endpoints); their "
-            "publisher and replay ports are --kv-events-port and --kv-events-replay-port"
-        )
-    events: dict[str, Any] = {}
+    discover = ev.get("discoverPods", True)  # llm-d-router's default
+    if not isinstance(discover, bool):
+        raise ValueError(f"{where}.discoverPods must be true or false, not {discover!r}")
+    events: dict[str, Any] = _pod_ports(ev.get("podDiscoveryConfig"), discover)
     endpoint = ev.get("zmqEndpoint")
     if endpoint:
+        if "publisherPort" in events:
+            raise ValueError(
+                f"{where}: zmqEndpoint (pods connect to the EPP) and "
+                "podDiscoveryConfig.socketPort (the EPP connects to each pod) are both set; "
+                "this EPP receives a view's events one way: remove one"
+            )
         # Pods push to one socket this EPP binds (llm-d's central subscriber).  llm-d-router
         # also keeps subscribing to each pod's own socket; here it is one or the other.
         events["mode"] = "central"
@@ -175,11 +179,50 @@ def _events(section: Any) -> dict[str, Any]:
             where,
             endpoint,
         )
-    elif ev.get("discoverPods") is False:
+    elif not discover:
         raise ValueError(f"{where}: discoverPods is false and no zmqEndpoint is given")
     if ev.get("topicFilter"):
         events["topicPrefix"] = str(ev["topicFilter"])
     return events
+
+
+def _pod_ports(section: Any, discover: bool) -> dict[str, Any]:
+    """``kvEventsConfig.podDiscoveryConfig``: llm-d-router connects to ``tcp://<pod IP>:
+    <socketPort + rank>`` of every endpoint of the pool (replay at ``replaySocketPort + rank``,
+    off when 0 or less), which is what ``publisherPort`` and ``replayPort`` do here.  Its pod
+    selection keys belong to llm-d-kv-cache's own pod watcher, which llm-d-router does not run:
+    here, as there, the endpoints are the pool's."""
+    where = "kvEventsConfig.podDiscoveryConfig"
+    if section is None:
+        return {}
+    pod = _take(
+        section, where, {"socketPort", "replaySocketPort", "podLabelSelector", "podNamespace"}
+    )
+    if not discover:
+        raise ValueError(
+            f"{where} applies with discoverPods: true (llm-d-router reads it only then); set "
+            "discoverPods: true or remove it"
+        )
+    for key in ("podLabelSelector", "podNamespace"):
+        if pod.get(key) not in (None, ""):
+            raise ValueError(
+                f"{where}.{key} {pod[key]!r}: the pods subscribed to are the InferencePool's "
+                "(or --endpoints / --endpoints-file), not a label selection; remove it"
+            )
+    ports: dict[str, Any] = {}
+    socket = pod.get("socketPort")
+    if socket is not None:
+        ports["publisherPort"] = _port(socket, f"{where}.socketPort")
+    replay = pod.get("replaySocketPort")
+    if replay is not None and not (isinstance(replay, int) and replay <= 0):
+        ports["replayPort"] = _port(replay, f"{where}.replaySocketPort")
+    return ports
+
+
+def _port(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"{where} must be a port number from 1 to 65535, not {value!r}")
+    return value
 
 
 def accepted_keys(data: Mapping[str, Any]) -> list[str]:

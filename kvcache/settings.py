@@ -48,6 +48,23 @@ class KVEventsSettings(BaseModel):
     bindAddress: str = "tcp://*:5557"
     topicPrefix: str = ""
     replayTimeoutSeconds: float = Field(default=1.0, gt=0, le=60)
+    publisherPort: int | None = Field(default=None, ge=1, le=65535)
+    """``per-endpoint``: the port of each pod's publisher (rank ``r`` of a data-parallel pod at
+    ``+ r``), in place of ``epp serve --kv-events-port``, which must then be left unset or
+    agree; unset: the flag's.  llm-d-router's ``kvEventsConfig.podDiscoveryConfig.socketPort``."""
+    replayPort: int | None = Field(default=None, ge=1, le=65535)
+    """The port of each pod's replay ROUTER (``+ r`` per rank), in place of
+    ``--kv-events-replay-port`` as ``publisherPort`` is of its flag.  llm-d-router's
+    ``kvEventsConfig.podDiscoveryConfig.replaySocketPort``."""
+
+    @model_validator(mode="after")
+    def _publisher_port_is_per_endpoint(self) -> KVEventsSettings:
+        if self.mode == "central" and self.publisherPort is not None:
+            raise ValueError(
+                "publisherPort is where the EPP connects to each pod (mode per-endpoint); in "
+                "central mode the pods connect to bindAddress: remove one"
+            )
+        return self
 
 
 class InMemoryIndexSettings(BaseModel):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from epp.gauges import GaugeSample
 from indexer.errors import TokenizationError
 from indexer.events import BlockRemoved, BlockStored, KVEventBatch
-from indexer.hashing import HashAlgo, HashConfig, PrefixHasher, event_keys
+from indexer.hashing import HashAlgo, HashConfig, MMItem, PrefixHasher, event_keys
 from indexer.subscriber import CentralSubscriber, SubscriberPool
 from indexer.subscriber_config import SubscriberConfig, SubscriberStats
 from indexer.tokenization import PromptTokenizer, TokenizerRegistry
@@ -345,10 +345,16 @@ class KVCacheView:
         return None
 
     def block_keys(
-        self, token_ids: Sequence[int], *, model: str, cache_salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        *,
+        model: str,
+        cache_salt: str | None = None,
+        mm: Sequence[MMItem] = (),
     ) -> list[int] | None:
         """The keys vLLM publishes for the prompt's full blocks (``model`` names a LoRA adapter
-        or the base model), or None while the block size is unknown.  CPU work."""
+        or the base model; ``mm``: the multimodal items placed in ``token_ids``), or None while
+        the block size is unknown.  CPU work."""
         hasher = self._hasher
         if hasher is None:
             return None
@@ -360,6 +366,7 @@ class KVCacheView:
                 lora_name=lora,
                 lora_path=adapters.get(lora) if lora else None,
                 cache_salt=cache_salt,
+                mm=mm,
             )
         return event_keys(digests)
 

@@ -143,6 +143,9 @@ class ServerSpec:
     max_model_len: int = 512
     omp_threads_bind: str | None = None
     """Cores for the engine's OpenMP threads ("0", "1", "0-1"); None lets vLLM choose (core 0)."""
+    scale_out: bool = False
+    """Serve vLLM's scale-out endpoints, pre-tokenized ``/inference/v1/generate`` among them
+    (``--enable-scale-out``; without it vLLM 0.32 answers them 403)."""
 
     def __post_init__(self) -> None:
         if (self.num_blocks - 1) * BLOCK_SIZE < self.max_model_len:
@@ -221,6 +224,7 @@ class VLLMServer:
             str(spec.num_blocks),
             "--kv-events-config",
             json.dumps(kv_events),
+            *(["--enable-scale-out"] if spec.scale_out else []),
         ]
 
     def environment(self) -> dict[str, str]:
@@ -323,6 +327,17 @@ class VLLMServer:
     ) -> dict[str, Any]:
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
         answer: dict[str, Any] = http_json(f"{self.spec.url}/v1/chat/completions", body)
+        return answer
+
+    def generate(self, token_ids: list[int], max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
+        """vLLM's pre-tokenized ``/inference/v1/generate`` (a `ServerSpec` with ``scale_out``)."""
+        body = {
+            "model": MODEL,
+            "token_ids": token_ids,
+            "sampling_params": {"max_tokens": max_tokens},
+            **extra,
+        }
+        answer: dict[str, Any] = http_json(f"{self.spec.url}/inference/v1/generate", body)
         return answer
 
     def tokenize(self, body: Mapping[str, Any]) -> list[int]:

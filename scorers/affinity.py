@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -18,7 +19,14 @@ from scorers.base import (
     SchedulingResult,
     register,
 )
-from scorers.request_data import SESSION_TOKEN, is_cold_request
+from scorers.request_data import (
+    SESSION_TOKEN,
+    PrefixMatchInfo,
+    is_cold_request,
+    prefix_match_info_key,
+)
+
+logger = logging.getLogger(__name__)
 
 SESSION_TOKEN_HEADER = "x-session-token"
 
@@ -131,6 +139,13 @@ class NoHitLRUParameters(BaseModel):
         min_length=1,
         description="Profile whose target is also marked used (P/D setups; llm-d: prefill).",
     )
+    prefixMatchInfoProducerName: str = Field(
+        default="",
+        description="The prefix producer (precise, approximate or burst) whose match tells "
+        "cold from warm requests; empty: any prefix plugin's match.",
+    )
+    prefixPluginType: str = Field(default="", description="Deprecated upstream; unused.")
+    prefixPluginName: str = Field(default="", description="Deprecated upstream; unused.")
 
 
 @register("no-hit-lru-scorer")
@@ -139,27 +154,53 @@ class NoHitLRUScorer(Plugin[NoHitLRUParameters]):
     cold request longest ago, so new prefixes — and the cache growth they cause — spread
     evenly (llm-d).
 
-    Cold request (`scorers.request_data.is_cold_request`): endpoints that never got a cold
-    request score 1.0; the others are ranked from least to most recently used after them,
+    Cold request: with ``prefixMatchInfoProducerName``, no candidate holds a block of the
+    request in that producer's match (or the producer has no match for it), as upstream reads
+    the named producer's ``PrefixCacheMatchInfo``; without it, no prefix plugin found any
+    endpoint holding one (`scorers.request_data.is_cold_request`).  Endpoints that never got a
+    cold request score 1.0; the others are ranked from least to most recently used after them,
     ``score = 1 - rank / (n - 1)`` over the ``n`` candidates, so the most recently used scores
     0 when every candidate has been used.  (llm-d also ranks never-used endpoints among
     themselves by input order; here they tie and the picker breaks the tie at random.)
     Warm request: 0.5 for every candidate (neutral).
 
-    PreRequest: for cold requests, marks the primary target (and the ``prefillProfile``
-    profile's target, if that profile ran) as most recently used.  EndpointListener: forgets
-    removed endpoints.
+    PreRequest: for cold requests (as the last scoring of the request judged it, as upstream),
+    marks the primary target (and the ``prefillProfile`` profile's target, if that profile ran)
+    as most recently used.  EndpointListener: forgets removed endpoints.
     """
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         self.lru_size = self.p.lruSize
         self.prefill_profile = self.p.prefillProfile
+        producer = self.p.prefixMatchInfoProducerName
+        self._producer_key = prefix_match_info_key(producer) if producer else None
+        # Score's verdict, for PreRequest: the candidates it judged are gone by then.
+        self._cold_key = f"{self.type_name}/{name}/cold"
         # address → None, least recently used first.
         self._used: OrderedDict[str, None] = OrderedDict()
+        if self.p.prefixPluginType or self.p.prefixPluginName:
+            logger.warning(
+                "%s %r: prefixPluginType and prefixPluginName are deprecated in llm-d-router "
+                "and unused; name the producer with prefixMatchInfoProducerName",
+                self.type_name,
+                self.name,
+            )
+
+    def is_cold(self, request: LLMRequest, endpoints: Sequence[Endpoint] | None = None) -> bool:
+        """Whether no endpoint (of ``endpoints``, when given) holds a prefix of the request."""
+        if self._producer_key is None:
+            return is_cold_request(request)
+        info = request.data.get(self._producer_key)
+        if not isinstance(info, PrefixMatchInfo):
+            return True  # the producer matched nothing for this request, as upstream counts it
+        held = info.matched_blocks
+        addresses = held.keys() if endpoints is None else [e.address for e in endpoints]
+        return not any(held.get(address, 0) > 0 for address in addresses)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        if not is_cold_request(request):
+        cold = request.data[self._cold_key] = self.is_cold(request, endpoints)
+        if not cold:
             return {e.address: 0.5 for e in endpoints}
         n = len(endpoints)
         if n <= 1:
@@ -177,7 +218,8 @@ class NoHitLRUScorer(Plugin[NoHitLRUParameters]):
         return scores
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        if not is_cold_request(request):
+        cold = request.data.get(self._cold_key)
+        if not (self.is_cold(request) if cold is None else cold):
             return
         self.mark_used(result.targets[0].address if result.targets else None)
         prefill = result.profiles.get(self.prefill_profile)

@@ -177,6 +177,9 @@ class LLMRequest:
     priority: int = 0
     # Filled by data producers before filtering: the prompt as the model server will tokenize it.
     prompt_token_ids: list[int] | None = None
+    # Multimodal items placed in a pre-tokenized prompt's ids, ``(identifier, offset, length)``
+    # (vLLM's generate ``features``): they enter the block hashes as vLLM's ``mm`` extra keys.
+    prompt_mm_items: tuple[tuple[str, int, int], ...] = ()
     # Per-request data shared between plugins (the Inference Extension's CycleState).
     data: dict[str, Any] = field(default_factory=dict)
     # The body's length as received (flow control's queue bytes).

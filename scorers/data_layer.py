@@ -7,9 +7,11 @@ means what it says.
   HTTP for vLLM's gauges (`epp.scraping`; the period is ``--refresh-metrics-interval``).
 * ``endpoint-notification-source``: endpoints coming and going, told to the plugins that keep
   per-endpoint state (the KV-cache views subscribe to each pod's events).
-* ``openai-parser``, ``anthropic-parser``, ``passthrough-parser``, ``vllmgrpc-parser``: request
-  parsing (`epp.requests`, `epp.vllm_grpc`), chosen by ``requestHandler.parsers``
-  (`epp.config_sections`).
+* ``openai-parser``, ``anthropic-parser``, ``passthrough-parser``, ``vllmgrpc-parser``,
+  ``vllmhttp-parser``, ``sglanghttp-parser``, ``vertexai-parser``: request parsing
+  (`epp.requests`, `epp.vllm_grpc`, `epp.generate_requests`, `epp.vertex_ai`), chosen by
+  ``requestHandler.parsers`` (`epp.config_sections`).  All Beta in llm-d-router: no
+  ``--allow-experimental-plugins`` needed.
 * ``inflight-load-producer``: the requests (and prompt tokens) each endpoint has in flight, which
   the EPP counts as it routes and as responses end (`epp.datastore`), for
   ``concurrency-detector``.
@@ -97,6 +99,22 @@ class PassthroughParser(Plugin[NoParameters]):
 @register("vllmgrpc-parser")
 class VllmGrpcParser(Plugin[NoParameters]):
     """vLLM's gRPC API (``vllm.grpc.engine.VllmEngine`` Generate and Embed), byte for byte."""
+
+
+@register("vllmhttp-parser")
+class VllmHttpParser(Plugin[NoParameters]):
+    """vLLM's pre-tokenized ``/inference/v1/generate`` (only that path: configure
+    ``openai-parser`` beside it for the OpenAI API)."""
+
+
+@register("sglanghttp-parser")
+class SGLangHttpParser(Plugin[NoParameters]):
+    """SGLang's pre-tokenized ``/generate``."""
+
+
+@register("vertexai-parser")
+class VertexAIParser(Plugin[NoParameters]):
+    """Vertex AI's gRPC ``PredictionService`` ChatCompletions, RawPredict, StreamRawPredict."""
 
 
 class VllmTokenizer(_Strict):

@@ -13,11 +13,23 @@ reading scraped metrics gives a stale endpoint 0, the score of the most loaded e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scorers.base import Endpoint, LLMRequest, NoParameters, Plugin, PluginContext, register
+from scorers.base import (
+    Endpoint,
+    LLMRequest,
+    NoParameters,
+    Plugin,
+    PluginConfigError,
+    PluginContext,
+    register,
+)
+from scorers.disagg import cached_tokens_on
+
+DEFAULT_TOKEN_QUEUE_THRESHOLD: Final = 4_194_304  # upstream's: 128 requests of 32k tokens
 
 
 def inverse_min_max(
@@ -132,3 +144,48 @@ class ActiveRequestScorer(Plugin[NoParameters]):
         return {
             e.address: (busiest - max(0, e.load.in_flight_requests)) / busiest for e in endpoints
         }
+
+
+class TokenLoadParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queueThresholdTokens: int = Field(
+        default=DEFAULT_TOKEN_QUEUE_THRESHOLD,
+        description="Tokens in flight at which an endpoint scores 0 (0 or less: the default, "
+        "4,194,304, as upstream: 128 requests of 32k tokens).",
+    )
+    inFlightLoadProducerName: str = Field(
+        default="", description="The inflight-load-producer it reads (the EPP's own counts)."
+    )
+
+
+@register("token-load-scorer")
+class TokenLoadScorer(Plugin[TokenLoadParameters]):
+    """llm-d-router's ``token-load-scorer``: ``1 − min(1, tokens / queueThresholdTokens)``,
+    where ``tokens`` is the prefill work in flight on the endpoint (``Endpoint.load
+    .in_flight_prefill_tokens``: the uncached prompt tokens of the requests this EPP routed
+    there that have not produced a first token, upstream's ``InFlightLoad`` tokens) plus what
+    this request would add there (its prompt less what the endpoint holds, per the prefix
+    plugins' match; the whole prompt without one, upstream's ``UncachedRequestTokens``)."""
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        threshold = self.p.queueThresholdTokens
+        self.threshold = float(threshold if threshold > 0 else DEFAULT_TOKEN_QUEUE_THRESHOLD)
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        name = self.p.inFlightLoadProducerName
+        if name and getattr(plugins.get(name), "type_name", None) != "inflight-load-producer":
+            raise PluginConfigError(
+                f"{self.type_name} {self.name!r}: parameters.inFlightLoadProducerName {name!r} "
+                "names no declared inflight-load-producer"
+            )
+
+    def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        prompt = request.prompt_tokens
+        scores = {}
+        for endpoint in endpoints:
+            cached = cached_tokens_on(request, endpoint.address) or 0
+            tokens = max(0, endpoint.load.in_flight_prefill_tokens) + max(0, prompt - cached)
+            scores[endpoint.address] = 1.0 - min(1.0, tokens / self.threshold)
+        return scores

@@ -122,7 +122,12 @@ class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's setting
             if token_ids is None:
                 return None
             request.prompt_token_ids = token_ids
-        return self.view.block_keys(token_ids, model=request.model, cache_salt=request.cache_salt)
+        return self.view.block_keys(
+            token_ids,
+            model=request.model,
+            cache_salt=request.cache_salt,
+            mm=request.prompt_mm_items,
+        )
 
     def _tokenize(self, request: LLMRequest) -> list[int] | None:
         if request.kind == "completions" and isinstance(request.prompt, list):

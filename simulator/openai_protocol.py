@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from simulator.engine_outputs import RequestStats
 
@@ -52,6 +52,24 @@ class ChatBody(GenerationBody):
     continue_final_message: bool = False
     reasoning_effort: str | None = None
     add_special_tokens: bool = False
+
+
+class SamplingParamsBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's SamplingParams default
+
+
+class GenerateBody(BaseModel):
+    """vLLM's pre-tokenized ``/inference/v1/generate`` request (0.32,
+    ``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``): ids in, ids out."""
+
+    model_config = ConfigDict(extra="allow")
+    token_ids: list[NonNegativeInt] = Field(min_length=1)
+    sampling_params: SamplingParamsBody
+    model: str | None = None
+    stream: bool | None = False
+    cache_salt: str | None = Field(default=None, min_length=1)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TokenizeBody(BaseModel):
@@ -110,6 +128,26 @@ def usage(stats: RequestStats, completion_tokens: int | None = None) -> dict[str
         "total_tokens": stats.prompt_tokens + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def generate_response_body(
+    req_id: str, created: int, model: str, token_ids: list[int], stats: RequestStats
+) -> dict[str, Any]:
+    """vLLM's ``GenerateTokensResponse`` (``output_mode`` "tokens"): the choice's token ids
+    and OpenAI's ``usage``; the simulator always stops on length."""
+    return {
+        "request_id": req_id,
+        "created": created,
+        "model": model,
+        "usage": usage(stats),
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "kv_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [
+            {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": token_ids}
+        ],
     }
 
 

@@ -2,6 +2,7 @@
 
 The HTTP routes (aiohttp) live here: ``/v1/completions`` and ``/v1/chat/completions`` (JSON, or
 SSE chunks ending in ``data: [DONE]``, with a usage chunk when ``stream_options.include_usage``),
+vLLM's pre-tokenized ``/inference/v1/generate`` (JSON only),
 ``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, ``POST
 /reset_prefix_cache``, and the fault-injection admin endpoints under ``/fault``.  Completions add
 special tokens; chat renders the template and does not add them again (vLLM's rules).
@@ -41,6 +42,7 @@ from simulator.openai_protocol import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    GenerateBody,
     GenerationBody,
     HTTPError,
     Kind,
@@ -48,6 +50,7 @@ from simulator.openai_protocol import (
     TokenizeBody,
     chat_role_choice,
     error_body,
+    generate_response_body,
     model_card,
     response_body,
     single_prompt,
@@ -169,6 +172,7 @@ class SimulatedPod:
             [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
+                web.post("/inference/v1/generate", self._generate),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/ping", self._health),
@@ -287,6 +291,31 @@ class SimulatedPod:
         if body.stream:
             return await self._stream(request, flight, model, "chat", body.stream_options)
         return await self._respond(flight, model, "chat", prefill_leg=leg == "prefill")
+
+    @_handles_errors
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's pre-tokenized generate (served with ``--enable-scale-out``): the ids are the
+        prompt, as they are; answered whole (streaming it is not simulated)."""
+        body: GenerateBody = await self._body(request, GenerateBody)
+        model, lora = self._resolve_model(body.model)
+        if body.stream:
+            raise HTTPError(400, "the simulator answers /inference/v1/generate without streaming")
+        max_tokens = body.sampling_params.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        ids = list(body.token_ids)
+        prepared = await self._prompts.prepare(lambda: ids, body.cache_salt, lora)
+        await self._inject_latency()
+        flight = self.driver.submit(
+            prepared, max_tokens, cache_salt=body.cache_salt, lora=lora, prefix="gen"
+        )
+        token_ids: list[int] = []
+        stats: RequestStats | None = None
+        async for out in self.driver.outputs(flight):
+            token_ids += out.new_token_ids
+            stats = out.stats
+        assert stats is not None
+        return web.json_response(
+            generate_response_body(flight.req_id, int(time.time()), model, token_ids, stats)
+        )
 
     def _check_generation(self, body: GenerationBody) -> None:
         if body.n != 1:

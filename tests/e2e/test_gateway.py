@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -195,6 +196,64 @@ async def test_a_loaded_holder_is_weighed_against_its_prefix(stack: Fleet) -> No
         assert served == other, "the prefix holder has a queue of 3+; the idle pod should win"
     finally:
         await asyncio.gather(*load)
+
+
+async def _generate(gateway: str, token_ids: list[int]) -> tuple[int, dict[str, object]]:
+    body = {"model": MODEL, "token_ids": token_ids, "sampling_params": {"max_tokens": 4}}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{gateway}/inference/v1/generate", json=body) as r,
+    ):
+        return r.status, await r.json(content_type=None)
+
+
+async def test_a_pre_tokenized_generate_request_follows_its_prefix(stack: Fleet) -> None:
+    """vLLM's ``/inference/v1/generate`` (one of the default parsers, as llm-d-router's): the
+    token ids are hashed as sent, so once the pods' KV events are indexed a follow-up sharing
+    them goes to the pod holding them, and the engine reports the hit."""
+    rng = random.Random(2468)
+    first = [rng.randrange(1_000, 120_000) for _ in range(400)]  # 25 blocks of 16
+    entries_before = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+    before = await _served_counts(stack.pods)
+    status, reply = await _generate(stack.gateway, first)
+    assert status == 200, reply
+    choices = reply["choices"]
+    assert isinstance(choices, list) and len(choices[0]["token_ids"]) == 4
+    after = await _served_counts(stack.pods)
+    (holder,) = [p for p in stack.pods if after[p] > before[p]]
+    answered = time.monotonic()
+
+    async def indexed() -> bool:
+        entries = await _epp_gauge(stack.epp_metrics, "inference_extension_kv_index_entries")
+        return entries >= entries_before + 25
+
+    async def scraped() -> bool:
+        return await _scraped_since(stack.epp_metrics, stack.pods, answered)
+
+    await _until(indexed)
+    await _until(scraped)
+    for turn in range(5):  # by chance alone, 1 in 32 would all land on the holder
+        follow_up = [*first, *(rng.randrange(1_000, 120_000) for _ in range(20 + turn))]
+        before = await _served_counts(stack.pods)
+        status, reply = await _generate(stack.gateway, follow_up)
+        assert status == 200, reply
+        after = await _served_counts(stack.pods)
+        served = [p for p in stack.pods if after[p] > before[p]]
+        assert served == [holder], f"turn {turn}: prefix on {holder}, routed to {served}"
+        usage = reply["usage"]
+        assert isinstance(usage, dict)
+        assert usage["prompt_tokens"] == len(follow_up)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 400
+
+    # A body the parser refuses is the parser's 400, before any pod sees it.
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{stack.gateway}/inference/v1/generate", json={"model": MODEL, "token_ids": []}
+        ) as r,
+    ):
+        assert r.status == 400
+        assert "invalid generate request: must have non-empty token_ids field" in await r.text()
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
 """Every llm-d-router configuration the tests keep (`tests.support.llmd_samples`: its
 ``deploy/config/`` samples and integration-test configs; `tests.support.llmd_wellknown`: the
-integration suite's well-known configs) served by ``epp serve`` behind real Envoy, routing chats
+integration suite's well-known configs; `tests.support.llmd_e2e_configs`: its e2e and perf
+runs' configs) served by ``epp serve`` behind real Envoy, routing chats
 to simulated vLLM pods: each loads, logs nothing ignored or failed, and every request is answered
 by a pod of the fleet.
 
-The P/D, E/P/D and data-parallel samples need a fleet with roles or ranks and run in
-`tests.e2e.test_disaggregated`; upstream's own strict decoder refuses the mm-embeddings sample
+The P/D, E/P/D, data-parallel and per-stage configs need a fleet with roles or ranks (those of
+`deploy/config/` run in `tests.e2e.test_disaggregated`); upstream's own strict decoder refuses the mm-embeddings sample
 (`tests.scorers.test_multimodal_cache` checks our message)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from launcher.ports import reserve_port
 from launcher.stack import MODEL, Stack
-from tests.support import llmd_samples, llmd_wellknown
+from tests.support import llmd_e2e_configs, llmd_samples, llmd_wellknown
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,14 @@ ON_ROLE_FLEETS = {  # run in tests/e2e/test_disaggregated.py
     "PD_DISAGGREGATION",
     "WIDE_EP_LWS",
     "WIDE_EP_LWS_EXPERIMENTAL_DP_AWARE",
+    "E2E_DEPRECATED_PD",
+    "E2E_EPD_ENCODE_DECODE",
+    "E2E_EPD",
+    "E2E_GENERATE_ENCODE",
+    "E2E_GENERATE_PREFILL",
+    "E2E_PD",
+    "E2E_DATA_PARALLEL",
+    "COORDINATOR_EPP",
 }
 UPSTREAM_REJECTS = {"EPP_MM_EMBEDDINGS_CACHE_CONFIG"}
 # The samples say "set to the model used in the vLLM deployment"; here that is the simulated
@@ -42,7 +51,7 @@ MODEL_PLACEHOLDERS = ("hf-repo/model-name", "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 def _configs() -> dict[str, str]:
     found: dict[str, str] = {}
-    for module in (llmd_samples, llmd_wellknown):
+    for module in (llmd_samples, llmd_wellknown, llmd_e2e_configs):
         for name, text in vars(module).items():
             if name.isupper() and isinstance(text, str) and "EndpointPickerConfig" in text:
                 found[name] = text
@@ -90,7 +99,7 @@ async def _chat(gateway: str, content: str) -> tuple[int, str, str]:
 
 def test_every_kept_configuration_is_served_here_or_on_a_role_fleet() -> None:
     # A sample added to the support modules is served by one of the two suites, never neither.
-    assert len(CONFIGS) >= 20
+    assert len(CONFIGS) >= 25
     assert "PREDICTED_LATENCY_SLO" in CONFIGS and "DEFAULT_CONFIG" in CONFIGS
 
 

@@ -359,9 +359,10 @@ def test_request_handler_chooses_the_parsers() -> None:
         """
     )
     assert config.parser_types == ("openai-parser",)
-    assert load("plugins: [{type: queue-scorer}]").parser_types == (
+    assert load("plugins: [{type: queue-scorer}]").parser_types == (  # llm-d-router's defaults
         "openai-parser",
         "anthropic-parser",
+        "vllmhttp-parser",
         "passthrough-parser",
     )
     deprecated = load(
@@ -379,7 +380,8 @@ def test_request_handler_chooses_the_parsers() -> None:
         "plugins: [{type: queue-scorer}]\nrequestHandler: {parsers: [{pluginRef: queue-scorer}]}"
     ) == (
         "requestHandler.parsers[0].pluginRef: 'queue-scorer' (queue-scorer) is not a parser; "
-        "parsers: openai-parser, anthropic-parser, passthrough-parser, vllmgrpc-parser",
+        "parsers: openai-parser, anthropic-parser, vllmhttp-parser, passthrough-parser, "
+        "vllmgrpc-parser, sglanghttp-parser, vertexai-parser",
     )
 
 

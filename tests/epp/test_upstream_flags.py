@@ -3,12 +3,15 @@ without a subcommand is read, which log level the flags ask for, and the subset-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from epp.cli import build_parser, main
 from epp.extproc import ExtProcSettings, ExtProcStream
 from epp.upstream_flags import log_level, normalized_argv, notes
 from tests.epp.test_extproc import RecordingRouter, completion_body, request_body, request_headers
+from tests.support.llmd_e2e_configs import PERF_EPP_FLAGS
 
 
 @pytest.mark.parametrize(
@@ -66,3 +69,38 @@ async def test_disable_endpoint_subset_filter_routes_over_the_whole_pool() -> No
         await stream.handle(request_headers(subset=["10.0.0.9:8000"], extra={"x-request-id": "r"}))
         await stream.handle(request_body(completion_body()))
         assert router.subsets == [expected]
+
+
+def _chart_args(flags: Mapping[str, object]) -> list[str]:
+    """The EPP container's args as llm-d-router's chart renders them for one replica
+    (``config/charts/routerlib/templates/_deployment.yaml``): its own flags, then each of
+    ``router.epp.flags`` in key order as ``--key=value`` (Go's ``%v``: ``true``, ``4``), then
+    its tracing and metrics-auth switches."""
+    rendered = [
+        f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in sorted(flags.items())
+    ]
+    return [
+        *("--pool-name", "router", "--pool-namespace", "perf"),
+        *("--pool-group", "inference.networking.k8s.io", "--zap-encoder", "json"),
+        *("--config-file", "/config/plugins.yaml", "--grpc-health-port", "9003"),
+        *rendered,
+        "--tracing=false",
+        "--metrics-endpoint-auth=false",
+    ]
+
+
+@pytest.mark.parametrize("values", sorted(PERF_EPP_FLAGS))
+def test_the_perf_router_configs_flags_are_accepted(values: str) -> None:
+    flags = PERF_EPP_FLAGS[values]
+    args = build_parser().parse_args(normalized_argv(_chart_args(flags)))
+    assert args.command == "serve"
+    assert (args.verbosity, log_level(args)) == (4, "DEBUG")
+    assert args.enable_pprof is True
+    assert args.tracing is False
+    assert args.health_checking is (True if "health-checking" in flags else None)
+    assert args.ha_enable_leader_election is (
+        False if "ha-enable-leader-election" in flags else None
+    )
+    # Only what this EPP does not do is said at start: no pprof here.
+    assert notes(args) == ["--enable-pprof: no pprof endpoint in this (Python) EPP"]

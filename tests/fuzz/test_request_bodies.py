@@ -25,6 +25,7 @@ PATHS = st.sampled_from(
         "/v1/embeddings",
         "/",
         "/v1/chat/completions?x=1",
+        "/inference/v1/generate",  # vLLM's pre-tokenized API, a default parser
     ]
 )
 _json_values = st.recursive(

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import base64
+import logging
 
-from scorers.affinity import decode_session_token, encode_session_token
-from scorers.request_data import PREFIX_MATCHED_BLOCKS, SESSION_TOKEN
+import pytest
+
+from epp.config import ConfigError, build_scheduler, load_config
+from scorers.affinity import NoHitLRUScorer, decode_session_token, encode_session_token
+from scorers.base import NoEndpoints, PluginContext
+from scorers.request_data import (
+    PREFIX_MATCHED_BLOCKS,
+    SESSION_TOKEN,
+    PrefixMatchInfo,
+    prefix_match_info_key,
+)
 from tests.scorers.plugin_helpers import disaggregated_result, endpoint, make, request, result_for
+from tests.support.llmd_e2e_configs import PERF_PRECISE_PREFIX
 
 # ------------------------------------------------------------------------------------------
 # session-affinity-scorer
@@ -153,3 +164,75 @@ def test_no_hit_lru_marks_the_prefill_target_too() -> None:
     # Primary first, then the prefill target: the prefill target is the most recent.
     assert scorer.score(request(), [p, d, other])["d:1"] == 0.5
     assert scorer.score(request(), [p, d, other])["p:1"] == 0.0
+
+
+def _match(blocks: dict[str, int]) -> PrefixMatchInfo:
+    return PrefixMatchInfo(blocks, {a: float(n) for a, n in blocks.items()}, 8, 16)
+
+
+def test_no_hit_lru_reads_the_named_producers_match_only() -> None:
+    scorer = make("no-hit-lru-scorer", {"prefixMatchInfoProducerName": "precise"})
+    a, b = endpoint("a:1"), endpoint("b:1")
+    scorer.pre_request(request(), result_for(a))
+    precise, approx = prefix_match_info_key("precise"), prefix_match_info_key("approx")
+    # Another producer's hit (and the merged matches) do not make the request warm...
+    other = request(data={approx: _match({"a:1": 3}), PREFIX_MATCHED_BLOCKS: {"a:1": 3}})
+    assert scorer.score(other, [a, b]) == {"a:1": 0.0, "b:1": 1.0}
+    # ...the named producer's does.
+    warm = request(data={precise: _match({"b:1": 2})})
+    assert scorer.score(warm, [a, b]) == {"a:1": 0.5, "b:1": 0.5}
+    assert scorer.score(request(data={precise: _match({"b:1": 0})}), [a, b])["b:1"] == 1.0
+
+
+def test_no_hit_lru_counts_only_the_candidates_hits() -> None:
+    # As upstream, a hit on an endpoint the filters removed leaves the request cold.
+    scorer = make("no-hit-lru-scorer", {"prefixMatchInfoProducerName": "precise"})
+    a, b = endpoint("a:1"), endpoint("b:1")
+    req = request(data={prefix_match_info_key("precise"): _match({"gone:1": 5})})
+    assert scorer.score(req, [a, b]) == {"a:1": 1.0, "b:1": 1.0}
+    scorer.pre_request(req, result_for(a))  # Score's verdict: cold, so a is marked used
+    assert scorer.score(request(), [a, b]) == {"a:1": 0.0, "b:1": 1.0}
+
+
+def test_no_hit_lru_pre_request_follows_the_verdict_of_score() -> None:
+    scorer = make("no-hit-lru-scorer", {"prefixMatchInfoProducerName": "precise"})
+    a, b = endpoint("a:1"), endpoint("b:1")
+    warm = request(data={prefix_match_info_key("precise"): _match({"a:1": 1})})
+    scorer.score(warm, [a, b])
+    scorer.pre_request(warm, result_for(b))
+    assert scorer.score(request(), [a, b]) == {"a:1": 1.0, "b:1": 1.0}  # nothing recorded
+
+
+def test_no_hit_lru_accepts_upstreams_deprecated_keys(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="scorers.affinity"):
+        make("no-hit-lru-scorer", {"prefixPluginType": "prefix-cache-scorer"})
+    assert "deprecated in llm-d-router and unused" in caplog.text
+
+
+def test_no_hit_lru_producer_must_be_a_declared_prefix_producer() -> None:
+    config = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: no-hit-lru-scorer
+  parameters:
+    prefixMatchInfoProducerName: {producer}
+"""
+    with pytest.raises(ConfigError, match="'nowhere' is not a declared plugin"):
+        load_config(text=config.format(producer="nowhere"))
+    with pytest.raises(ConfigError, match=r"'queue-scorer' \(queue-scorer\) is not a prefix"):
+        load_config(text=config.format(producer="queue-scorer"))
+
+
+def test_no_hit_lru_of_the_precise_perf_config_reads_the_precise_producer() -> None:
+    # llm-d-router's test/perf precise-prefix configuration, built as the EPP builds it.
+    scheduler = build_scheduler(
+        load_config(text=PERF_PRECISE_PREFIX), PluginContext(endpoints=NoEndpoints())
+    )
+    lru = scheduler.plugin("no-hit-lru-scorer")
+    assert isinstance(lru, NoHitLRUScorer)
+    a, b = endpoint("a:1"), endpoint("b:1")
+    key = prefix_match_info_key("precise-prefix-cache-producer")
+    assert lru.score(request(data={key: _match({"a:1": 4})}), [a, b]) == {"a:1": 0.5, "b:1": 0.5}
+    assert lru.score(request(data={key: _match({})}), [a, b]) == {"a:1": 1.0, "b:1": 1.0}

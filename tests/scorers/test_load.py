@@ -86,3 +86,32 @@ def test_load_aware_scorer_default_threshold() -> None:
 def test_load_aware_scorer_threshold_parameter() -> None:
     scorer = make("load-aware-scorer", {"threshold": 10})
     assert scorer.score(request(), [endpoint("a:1", waiting=5)]) == {"a:1": 0.25}
+
+
+def test_token_load_scores_the_prefill_in_flight_plus_what_the_request_adds() -> None:
+    from scorers.request_data import PREFIX_MATCHED_TOKENS
+
+    scorer = make("token-load-scorer", {"queueThresholdTokens": 10_000})
+    idle, busy, holder = endpoint("a:1"), endpoint("b:1"), endpoint("c:1")
+    busy.load.in_flight_prefill_tokens = 6_000
+    holder.load.in_flight_prefill_tokens = 1_000
+    req = request(prompt_token_ids=list(range(2_000)))
+    req.data[PREFIX_MATCHED_TOKENS] = {"c:1": 1_500}  # c holds 1,500 of its 2,000 tokens
+    assert scorer.score(req, [idle, busy, holder]) == pytest.approx(
+        {"a:1": 1 - 2_000 / 10_000, "b:1": 1 - 8_000 / 10_000, "c:1": 1 - 1_500 / 10_000}
+    )
+    busy.load.in_flight_prefill_tokens = 50_000  # past the threshold: 0, never negative
+    assert scorer.score(req, [busy])["b:1"] == 0.0
+
+
+def test_token_load_threshold_defaults_as_upstream_and_checks_its_producer() -> None:
+    from scorers.base import PluginConfigError
+
+    for params in ({}, {"queueThresholdTokens": 0}, {"queueThresholdTokens": -5}):
+        assert make("token-load-scorer", params).threshold == 4_194_304
+    scorer = make("token-load-scorer", {"inFlightLoadProducerName": "load"})
+    with pytest.raises(PluginConfigError, match="names no declared inflight-load-producer"):
+        scorer.bind({})
+    scorer.bind({"load": make("inflight-load-producer", name="load")})
+    with pytest.raises(Exception, match="unknownKey"):
+        make("token-load-scorer", {"unknownKey": 1})

@@ -45,7 +45,8 @@ def vllm_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(vllm_env: None, vllm_logs: Path) -> Iterator[dict[str, VLLMServer]]:
     """Servers ``a`` and ``b``, started concurrently (about 45-70 s together)."""
-    a = VLLMServer(ServerSpec.on_free_ports("a"), vllm_logs)
+    # a also serves vLLM's pre-tokenized /inference/v1/generate (the vllmhttp-parser's API).
+    a = VLLMServer(ServerSpec.on_free_ports("a", scale_out=True), vllm_logs)
     b = VLLMServer(ServerSpec.on_free_ports("b", omp_threads_bind="1"), vllm_logs)
     try:
         a.start()

@@ -6,6 +6,10 @@ What each test proves:
 * the EPP's tokenization (completions and chat) equals vLLM's ``/tokenize``, and the block keys
   the precise scorer computes equal the ``BlockStored`` keys vLLM publishes for that prompt (tokens,
   chain and all); the project's event decoder reads every field vLLM sends;
+* for vLLM's pre-tokenized ``/inference/v1/generate`` (server ``a`` runs with
+  ``--enable-scale-out``), the keys the EPP computes from the ids as sent, salted or not, are
+  the ones vLLM publishes, and through Envoy the EPP matches exactly the follow-up blocks vLLM
+  then finds cached;
 * the EPP's metrics parser reads real vLLM's load gauges and ``cache_config_info``;
 * through Envoy and the EPP, a request sharing a prefix goes to the server holding it, and vLLM
   reports the prefix-cache hit (``cached_tokens``, ``vllm:prefix_cache_hits_total``);
@@ -25,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,12 +37,20 @@ from typing import Any
 
 import pytest
 
-from indexer.events import decode_batch
 from indexer.hashing import HashAlgo, HashConfig, block_hashes, event_key
-from launcher.traffic import SUPPORT_WORDS, sentence
-from scorers.base import Endpoint, EndpointMetrics, LLMRequest, PluginContext, create_plugin
+from scorers.base import Endpoint, EndpointMetrics
 from scorers.precise_prefix import PrecisePrefixCacheScorer
-from scorers.request_data import PREFIX_MATCHED_BLOCKS, PREFIX_TOTAL_BLOCKS
+from tests.vllm.epp_side import (
+    GENERATE,
+    body_of,
+    check_prompt_keys,
+    epp_block_keys,
+    epp_request,
+    generate_body,
+    precise_scorer,
+    send,
+    text,
+)
 from tests.vllm.vllm_support import (
     BLOCK_SIZE,
     MODEL,
@@ -49,149 +60,10 @@ from tests.vllm.vllm_support import (
     VLLMServer,
     http_json,
     http_text,
-    precise_scorer_parameters,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
-
-# The support vocabulary and a few rarer words.
-_WORDS = (
-    *SUPPORT_WORDS,
-    "harbor",
-    "lantern",
-    "meadow",
-    "orbit",
-    "quartz",
-    "saddle",
-    "thimble",
-    "velvet",
-)
-
-
-def text(seed: int, words: int) -> str:
-    """Deterministic prose, about 1.3 Llama-3 tokens per word; a new seed shares nothing."""
-    rng = random.Random(seed)
-    sentences = []
-    while words > 0:
-        n = min(words, rng.randint(6, 14))
-        sentences.append(sentence(rng, n, _WORDS))
-        words -= n
-    return " ".join(sentences)
-
-
-def body_of(shape: str, prefix: str, tail: str) -> dict[str, Any]:
-    if shape == "completions":
-        return {"model": MODEL, "prompt": f"{prefix} {tail}"}
-    return {
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": prefix},
-            {"role": "user", "content": tail},
-        ],
-    }
-
-
-def send(target: VLLMServer | Gateway, body: Mapping[str, Any]) -> dict[str, Any]:
-    if "messages" in body:
-        return target.chat(body["messages"], max_tokens=1)
-    return target.completion(body["prompt"], max_tokens=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The EPP's request path, in process
-
-
-class _Endpoints:
-    def __init__(self, endpoints: list[Endpoint]) -> None:
-        self._endpoints = endpoints
-
-    def endpoints(self) -> list[Endpoint]:
-        return self._endpoints
-
-    def get(self, address: str) -> Endpoint | None:
-        return next((e for e in self._endpoints if e.address == address), None)
-
-
-def precise_scorer(address: str, algo: str, seed: str | None) -> PrecisePrefixCacheScorer:
-    context = PluginContext(endpoints=_Endpoints([Endpoint(address=address)]))
-    params = precise_scorer_parameters(algo, seed)
-    plugin = create_plugin("precise-prefix-cache-scorer", "precise", params, context)
-    assert isinstance(plugin, PrecisePrefixCacheScorer)
-    return plugin
-
-
-def epp_request(body: Mapping[str, Any]) -> LLMRequest:
-    from epp.requests import parse_request
-
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    return parse_request(json.dumps(body).encode(), path=path, headers={}, request_id="t")
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def assert_decoder_reads_every_field(published: Published) -> None:
-    """`indexer.events.decode_batch` against plain msgpack, field by field, on every event."""
-    for payload, (seq, _, raw_events, _) in zip(published.payloads, published.batches, strict=True):
-        batch = decode_batch(payload)
-        assert len(batch.events) == len(raw_events), seq
-        for ours, raw in zip(batch.events, raw_events, strict=True):
-            assert type(ours).__name__ == raw["type"]
-            for name, value in raw.items():
-                if name == "type":
-                    continue
-                assert hasattr(ours, name), f"vLLM sends {raw['type']}.{name}; the decoder drops it"
-                assert _plain(getattr(ours, name)) == _plain(value), (seq, name)
-
-
-def check_prompt_keys(
-    server: VLLMServer, body: Mapping[str, Any], algo: str, seed: str | None
-) -> tuple[list[int], list[int]]:
-    """Tokenize and hash ``body`` the way the precise scorer does, serve it on ``server``, and
-    check the keys against what the server published.  Returns the prompt's ids and keys."""
-    address = server.spec.ports.address
-    endpoints = [Endpoint(address=address)]
-    plugin = precise_scorer(address, algo, seed)
-    request = epp_request(body)
-    asyncio.run(plugin.prepare(request, endpoints))
-    ids = request.prompt_token_ids
-    assert ids is not None
-    assert ids == server.tokenize(body), "the EPP's prompt ids differ from vLLM's /tokenize"
-    assert request.data[PREFIX_TOTAL_BLOCKS] == len(ids) // BLOCK_SIZE >= 3
-
-    answer = send(server, body)
-    assert answer["usage"]["prompt_tokens"] == len(ids)
-    keys = block_hashes(ids, block_size=BLOCK_SIZE, algo=algo, seed=seed)  # type: ignore[arg-type]
-    assert len(keys) == len(ids) // BLOCK_SIZE
-
-    def stored_all() -> Published | None:
-        published = Published.fetch(server.spec.ports.replay_url)
-        return published if all(k in published.stored for k in keys) else None
-
-    published = wait_for(
-        stored_all,
-        f"{server.spec.name} to publish BlockStored for the prompt's {len(keys)} blocks",
-        timeout=30,
-    )
-    for i, block in enumerate(published.chain(keys)):
-        assert block is not None
-        assert block.tokens == tuple(ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]), i
-        assert block.parent == (keys[i - 1] if i else None), i
-    assert_decoder_reads_every_field(published)
-
-    # The scorer's own path: its index fed with the published batches scores the prompt 1.0.
-    for payload in published.payloads:
-        plugin.view.apply(address, decode_batch(payload))
-    again = epp_request(body)
-    asyncio.run(plugin.prepare(again, endpoints))
-    assert plugin.score(again, endpoints) == {address: 1.0}
-    assert again.data[PREFIX_MATCHED_BLOCKS] == {address: len(keys)}
-    return ids, keys
-
 
 # ---------------------------------------------------------------------------------------------
 # Reading the servers and the indexes
@@ -560,6 +432,79 @@ def test_index_holds_what_the_servers_published_through_evictions_and_a_reset(
 
 
 @pytest.mark.heavy  # restarts both vLLM servers twice: about a minute
+# vLLM's pre-tokenized /inference/v1/generate (vllmhttp-parser): the keys the EPP computes from
+# the ids as sent, and a follow-up through Envoy.
+
+def test_generate_block_keys_equal_what_vllm_publishes(servers: dict[str, VLLMServer]) -> None:
+    server = servers["a"]  # started with --enable-scale-out
+    ids = server.tokenize({"prompt": text(4711, 150)})
+    assert len(ids) >= 4 * BLOCK_SIZE
+    seen: set[int] = set()
+    for salt in (None, "tenant-7"):
+        extra = {"cache_salt": salt} if salt else {}
+        keys = epp_block_keys(server, generate_body(ids, **extra))
+        assert len(keys) == len(ids) // BLOCK_SIZE
+        assert keys == block_hashes(ids, block_size=BLOCK_SIZE, algo="sha256", cache_salt=salt)
+        assert not seen & set(keys), "a salt must change every key"
+        seen |= set(keys)
+
+        answer = server.generate(ids, max_tokens=1, **extra)
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert len(answer["choices"][0]["token_ids"]) == 1
+
+        def stored_all(keys: list[int] = keys) -> Published | None:
+            published = Published.fetch(server.spec.ports.replay_url)
+            return published if all(k in published.stored for k in keys) else None
+
+        published = wait_for(
+            stored_all,
+            f"vLLM to publish BlockStored for the generate prompt's {len(keys)} blocks "
+            f"(salt {salt!r})",
+            timeout=30,
+        )
+        for i, block in enumerate(published.chain(keys)):
+            assert block is not None
+            assert block.tokens == tuple(ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]), i
+            assert block.parent == (keys[i - 1] if i else None), i
+
+
+def test_a_generate_follow_up_through_envoy_hits_vllms_cache(
+    servers: dict[str, VLLMServer], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = servers["a"]
+    gateway = Gateway.start(tmp_path_factory.mktemp("generate-gw"), [server.spec], "sha256", None)
+    try:
+        first = server.tokenize({"prompt": text(8080, 150)})
+        second = first + server.tokenize({"prompt": " and " + text(8081, 12)})[1:]  # no BOS
+        tokens_before = gateway.epp_metrics().get("inference_objective_input_tokens_sum", 0.0)
+        answer = http_json(f"{gateway.url}{GENERATE}", generate_body(first))
+        assert answer["usage"]["prompt_tokens"] == len(first)
+
+        def indexed() -> bool:
+            entries = gateway.epp_metrics().get("inference_extension_kv_index_entries", 0.0)
+            return entries >= len(first) // BLOCK_SIZE
+
+        wait_for(indexed, "the EPP to index the first generate request's blocks", timeout=30)
+        metrics = gateway.epp_metrics()
+        ratio_before = metrics.get("inference_extension_prefix_indexer_hit_ratio_sum", 0.0)
+        answer = http_json(f"{gateway.url}{GENERATE}", generate_body(second))
+        cached = expected_cached_tokens(first, second)
+        assert cached >= 4 * BLOCK_SIZE
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        # The EPP matched, from the ids as sent, exactly the blocks vLLM then found cached.
+        ratio = gateway.epp_metrics()["inference_extension_prefix_indexer_hit_ratio_sum"]
+        expected = (cached // BLOCK_SIZE) / (len(second) // BLOCK_SIZE)
+        assert ratio - ratio_before == pytest.approx(expected)
+
+        def counted() -> float | None:
+            total = gateway.epp_metrics().get("inference_objective_input_tokens_sum", 0.0)
+            return total if total - tokens_before == len(first) + len(second) else None
+
+        wait_for(counted, "the EPP to count both generate responses' prompt tokens", timeout=10)
+    finally:
+        gateway.stop()
+
+
 def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_routed(
     servers: dict[str, VLLMServer],
     feed: IndexFeed,
