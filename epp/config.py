@@ -380,12 +380,21 @@ def plugin_roles(cls: type[Plugin[Any]]) -> frozenset[str]:
 
 
 _PROFILE_ROLES: Final = frozenset({"filter", "scorer", "picker"})
-_REQUEST_HOOKS: Final = ("prepare", "admit", "pre_request", "response_complete")
+_REQUEST_HOOKS: Final = (
+    "request_header",
+    "screen",
+    "prepare",
+    "admit",
+    "pre_request",
+    "response_header",
+    "response_complete",
+)
 
 
 def _runs_per_request(cls: type[Plugin[Any]]) -> bool:
-    """A request parser or a request-control plugin (data producer, admitter, PreRequest,
-    ResponseComplete): it acts on every request once declared, whatever the profiles say."""
+    """A request parser or a request-control plugin (request-header processor, screener, data
+    producer, admitter, PreRequest, response-header processor, ResponseComplete): it acts on
+    every request once declared, whatever the profiles say."""
     return cls.type_name in PARSER_TYPES or any(
         callable(getattr(cls, hook, None)) for hook in _REQUEST_HOOKS
     )

@@ -8,9 +8,11 @@ the references between plugins its split prefix pipeline uses.
   so either value describes it).  An unknown gate is an error, as upstream.
 * ``dataLayer``: ``sources`` with their ``extractors``, each a declared plugin: a
   ``metrics-data-source`` with ``core-metrics-extractor``, an ``endpoint-notification-source``
-  with a precise prefix plugin (its KV-event subscriptions follow the endpoints).  That is what
-  this EPP does built in, so other pairings, and ``discovery`` (use the InferencePool,
-  ``--endpoints`` or ``--endpoints-file``), are errors.  ``injectDefaults`` is accepted.
+  with a precise prefix plugin (its KV-event subscriptions follow the endpoints), a
+  ``dcgm-data-source`` with ``dcgm-extractor``, a ``models-data-source`` with
+  ``models-data-extractor``.  That is what this EPP does built in, so other pairings, and
+  ``discovery`` (use the InferencePool, ``--endpoints`` or ``--endpoints-file``), are errors.
+  ``injectDefaults`` is accepted.
 * ``requestHandler.parsers``: which parsers run (``openai-parser``, ``anthropic-parser``,
   ``vllmhttp-parser``, ``passthrough-parser``, ``vllmgrpc-parser``, ``sglanghttp-parser``,
   ``vertexai-parser``, each declared); default the first four, llm-d-router's default list.
@@ -72,7 +74,10 @@ _EXTRACTORS: Final[dict[str, tuple[str, ...]]] = {
     # mm-embeddings-cache-producer: scorers.multimodal_cache (forgets removed endpoints).
     "endpoint-notification-source": (*PRECISE_TYPES, "mm-embeddings-cache-producer"),
     "dcgm-data-source": ("dcgm-extractor",),  # scorers.gpu_metrics, epp.dcgm_scraping
+    "models-data-source": ("models-data-extractor",),  # scorers.models_data, epp.models_scraping
 }
+# token-producer and its deprecated name (scorers.deprecated_types).
+TOKEN_PRODUCER_TYPES: Final = ("token-producer", "tokenizer")
 
 
 @contextmanager
@@ -377,12 +382,18 @@ def with_decider_producer(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
 LATENCY_PRODUCER_TYPE: Final = "predicted-latency-producer"
 # The plugins that read a predicted-latency producer's predictions, and those that read a prefix
 # producer's match, under upstream's default producer names when they name none
-# (`scorers.predicted_latency`, `scorers.latency_slo`, `scorers.prefix_affinity_filter`).
+# (`scorers.predicted_latency`, `scorers.latency_slo`, `scorers.prefix_affinity_filter`,
+# `scorers.p2p_source`).
 _LATENCY_CONSUMERS: Final = frozenset(
     {"latency-scorer", "slo-headroom-tier-filter", "latency-slo-admitter"}
 )
 _PREFIX_CONSUMERS: Final = frozenset(
-    {LATENCY_PRODUCER_TYPE, "latency-scorer", "prefix-cache-affinity-filter"}
+    {
+        LATENCY_PRODUCER_TYPE,
+        "latency-scorer",
+        "prefix-cache-affinity-filter",
+        "p2p-source-producer",
+    }
 )
 
 
@@ -408,9 +419,10 @@ def with_latency_producers(plugins: Sequence[PluginSpec]) -> list[PluginSpec]:
     when one names none and no plugin has the default name: a ``predicted-latency-producer``
     for ``latency-scorer``, ``slo-headroom-tier-filter``, ``latency-slo-admitter`` (and a
     ``prefix-cache-affinity-filter`` whose load gate reads predictions), then an
-    ``approx-prefix-cache-producer`` for those that read a prefix match (which
-    `with_prefix_producer` then also gives a ``prefix-cache-scorer`` naming none, as upstream
-    binds that scorer to the producer it created)."""
+    ``approx-prefix-cache-producer`` for those that read a prefix match, a
+    ``p2p-source-producer`` included (which `with_prefix_producer` then also gives a
+    ``prefix-cache-scorer`` naming none, as upstream binds that scorer to the producer it
+    created)."""
     out = list(plugins)
     for default, reads in (
         (LATENCY_PRODUCER_TYPE, _reads_default_predictions),
@@ -428,7 +440,7 @@ def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:
     models = [
         (spec.parameters or {}).get("modelName")
         for spec in plugins
-        if spec.type == "token-producer"
+        if spec.type in TOKEN_PRODUCER_TYPES
     ]
     model = next((m for m in models if m), None)
     if model is None:
@@ -453,7 +465,7 @@ def with_token_producer(plugins: Sequence[Any], source: str) -> list[Any]:
         ):
             params["tokenizer"] = model
             spec = spec.model_copy(update={"parameters": params})
-        elif spec.type == "token-producer" and params.get("vllm"):
+        elif spec.type in TOKEN_PRODUCER_TYPES and params.get("vllm"):
             logger.info(
                 "%s: token-producer: prompts are tokenized in this EPP with %s's tokenizer and "
                 "chat template (the ids vLLM's /render at %s gives)",

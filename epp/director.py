@@ -1,11 +1,12 @@
 """The director: what happens to one request between the ext_proc stream and the scheduler.
 
-It implements `epp.extproc.Router`: pick the candidates (ready endpoints, narrowed by the proxy's
-subset hint, without those the scraper found unreachable unless that leaves none: see
-`epp.datastore`), pass them through admission control (`epp.admission`: off by default), run the
-scheduler, start the in-flight accounting the load-aware plugins read, and record the request's
-metrics; on the response side, release the accounting exactly once and hand the usage to the
-plugins that learn from it.
+It implements `epp.extproc.Router`: run the request-header plugins (``agent-identity``), pick
+the candidates (ready endpoints, narrowed by the proxy's subset hint, without those the scraper
+found unreachable unless that leaves none: see `epp.datastore`), pass them through admission
+control (`epp.admission`: off by default), run the scheduler, start the in-flight accounting
+the load-aware plugins read, and record the request's metrics; on the response side, run the
+response-header plugins, release the accounting exactly once and hand the usage to the plugins
+that learn from it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class Director:
         self.last_request_at = time.monotonic()
         if self.rules is not None:
             self._apply_rules(request, self.rules)
+        # Before admission: what they find (the agent session) can decide the request's flow.
+        self.scheduler.run_request_header(request)
         admission = self.admission
         try:
             candidates = await admission.admit(
@@ -201,6 +204,9 @@ class Director:
     def response_headers(self, decision: RoutingDecision, status: int) -> None:
         if isinstance(decision, TrackedDecision):
             decision.status = status
+        if decision.targets and self.scheduler.response_header_plugins:
+            endpoint = self.datastore.get(decision.targets[0])
+            self.scheduler.run_response_header(decision.request, endpoint)
 
     def response_chunk(self, decision: RoutingDecision) -> None:
         if not isinstance(decision, TrackedDecision):

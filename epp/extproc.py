@@ -66,6 +66,7 @@ import enum
 import gc
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ from epp.requests import (
 from epp.vertex_ai import VertexUsage
 from epp.vllm_grpc import ResponseUsage, grpc_http_status, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
-from scorers.request_data import RESPONSE_METADATA
+from scorers.request_data import RESPONSE_HEADERS, RESPONSE_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -444,6 +445,7 @@ class ExtProcStream:
         self.headers: dict[str, str] = {}
         self.request_id: str | None = None
         self._request_id_generated = False
+        self._received_at: float | None = None  # when the request headers arrived
         self._body = _Body()
         self._request: LLMRequest | None = None
         self.decision: RoutingDecision | None = None
@@ -515,6 +517,7 @@ class ExtProcStream:
     async def _on_request_headers(self, message: Any) -> list[ProcessingResponse]:
         if self.phase is not Phase.AWAITING_HEADERS:
             raise RuntimeError(f"request headers received while {self.phase.value}")
+        self._received_at = time.monotonic()
         self.headers = decode_headers(message.headers)
         self.request_id = self.headers.get(REQUEST_ID_HEADER) or None
         if self.request_id is None:
@@ -565,6 +568,7 @@ class ExtProcStream:
             parsers=self._settings.parsers,
         )
         request.body_bytes = len(body)
+        request.received_at = self._received_at
         self._request = request
         target = model_rewrite(self.headers)
         if target is not None:
@@ -718,7 +722,14 @@ class ExtProcStream:
             )
         if message.end_of_stream:
             self._complete()
-        return [ext_proc_pb2.ProcessingResponse(response_headers=ext_proc_pb2.HeadersResponse())]
+        reply = ext_proc_pb2.HeadersResponse()
+        # What ResponseHeader plugins stamped for the client (request.data[RESPONSE_HEADERS]).
+        stamped = request.data.pop(RESPONSE_HEADERS, None) if request is not None else None
+        if stamped:
+            reply.response.header_mutation.set_headers.extend(
+                _set_header(key, value) for key, value in stamped.items()
+            )
+        return [ext_proc_pb2.ProcessingResponse(response_headers=reply)]
 
     def _on_response_body(self, message: Any) -> list[ProcessingResponse]:
         chunk: bytes = message.body

@@ -8,19 +8,21 @@ runs on each arrival, on each release and every few milliseconds while anything 
 1. requests whose TTL ran out leave; the pool's saturation comes from the saturation detector (``utilization-detector``), per
    stage: prefill pods (``llm-d.ai/role`` prefill / encode-prefill), decode pods (decode or no
    role) and pods that do both counted in both; the effective saturation is the larger;
-2. the usage-limit policy gives each band a ceiling (``static-usage-limit-policy``: the same
-   ``threshold`` for all, default 1.0; ``soft-reflective-ceiling-policy``: lower bands close
-   first as saturation grows);
+2. the usage-limit policy gives each band a ceiling from the saturation and every band's
+   priority (``static-usage-limit-policy``: the same ``threshold`` for all, default 1.0;
+   ``soft-reflective-ceiling-policy`` and ``priority-holdback-policy``: lower bands close
+   first);
 3. bands are walked from the highest priority: the first whose ceiling the saturation reaches
    stops the cycle (head-of-line, lower bands wait too); else its fairness policy picks a flow
-   (``global-strict-fairness-policy``: the oldest head across flows; ``round-robin-fairness-
+   (``global-strict-fairness-policy``: the first head across flows; ``round-robin-fairness-
    policy``: flows in turn; ``program-aware-fairness``: the flow whose program received the
-   least service, `epp.program_aware_fairness`) and the flow's oldest request is dispatched
-   (``fcfs-ordering-policy``; ``edf-ordering-policy`` is the same while every request has the
-   same TTL).  One request leaves per cycle.
+   least service, `epp.program_aware_fairness`) and the flow's head is dispatched.  A flow
+   keeps its requests in its band's order (``orderingPolicyRef``: ``fcfs-ordering-policy``,
+   ``edf-ordering-policy``, ``slo-deadline-ordering-policy``; `epp.flow_ordering`).  One
+   request leaves per cycle.
 
-The policies are plugins (`epp.flow_policies`); this module holds the settings, the queues and
-the controller.
+The policies are plugins (`epp.flow_policies`, `epp.flow_ordering`); the section is read by
+`epp.flow_settings`; this module holds the queues and the controller.
 
 A request leaves unscheduled when its band or the whole queue is full (429
 ``rejected-saturated``; 503 ``rejected-no-endpoints`` while the pool is empty), when it waited
@@ -28,10 +30,11 @@ A request leaves unscheduled when its band or the whole queue is full (429
 (503 ``rejected-no-endpoints``), or when its client goes away.  The reason is in
 ``x-llm-d-request-dropped-reason``.
 
-Differences from upstream, by design: a band for a priority no band is configured for is
-created from ``defaultPriorityBand`` (or ``defaultNegativePriorityBand``) when its first request
-arrives, not only from the InferenceObjectives seen; and running requests are never evicted
-(``enableEviction`` is refused).
+Bands exist from the start for priority 0 and every configured priority, as upstream's
+registry provisions them.  Differences from upstream, by design: a band for a priority no band
+is configured for is created from ``defaultPriorityBand`` (or ``defaultNegativePriorityBand``)
+when its first request arrives, not only from the InferenceObjectives seen; and running requests
+are never evicted (``enableEviction`` is refused).
 """
 
 from __future__ import annotations
@@ -39,35 +42,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
-import re
 import time
+from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from epp.admission import PoolSaturatedError
-from epp.flow_policies import (
-    FAIRNESS_TYPES,
-    ORDERING_TYPES,
-    UNDECLARED_OK,
-    USAGE_LIMIT_TYPES,
-    FairnessPolicy,
-    SoftReflectiveCeiling,
-    StaticUsageLimit,
-)
 
-# The policy plugins, re-exported from their modules (they lived here before); importing them
+# The `as` imports are re-exports (the names lived here before); importing the policies
 # registers their plugin types, program-aware-fairness's included.
 from epp.flow_policies import EDFOrdering as EDFOrdering
+from epp.flow_policies import FairnessPolicy, OrderingPolicy, UsageLimitPolicy
 from epp.flow_policies import FCFSOrdering as FCFSOrdering
 from epp.flow_policies import GlobalStrictFairness as GlobalStrictFairness
 from epp.flow_policies import RoundRobinFairness as RoundRobinFairness
+from epp.flow_policies import SoftReflectiveCeiling as SoftReflectiveCeiling
 from epp.flow_policies import StaticLimitParameters as StaticLimitParameters
+from epp.flow_policies import StaticUsageLimit as StaticUsageLimit
+from epp.flow_settings import DEFAULT_BAND_BYTES as DEFAULT_BAND_BYTES
+from epp.flow_settings import DEFAULT_BAND_REQUESTS as DEFAULT_BAND_REQUESTS
+from epp.flow_settings import DEFAULT_TTL_S as DEFAULT_TTL_S
+from epp.flow_settings import BandSettings as BandSettings
+from epp.flow_settings import FlowControlSettings as FlowControlSettings
+from epp.flow_settings import duration as duration
+from epp.flow_settings import flow_control_settings as flow_control_settings
+from epp.flow_settings import quantity as quantity
 from epp.llmd_metrics import DEFAULT_FAIRNESS_ID, fairness_id
 from epp.program_aware_fairness import ProgramAwareFairness as ProgramAwareFairness
-from kvcache.settings import parse_duration
 from scorers.base import (
     Endpoint,
     LLMRequest,
@@ -80,9 +83,6 @@ from scorers.base import (
 from scorers.filters import ROLE_LABEL
 
 DROPPED_REASON_HEADER: Final = "x-llm-d-request-dropped-reason"
-DEFAULT_TTL_S: Final = 60.0
-DEFAULT_BAND_REQUESTS: Final = 5000
-DEFAULT_BAND_BYTES: Final = 1_000_000_000
 _TICK_S: Final = 0.005  # how often waiting requests re-read the pool's saturation
 
 Outcome = Literal[
@@ -151,165 +151,6 @@ class FlowControlNoEndpoints(NoReadyEndpointsError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantities and durations as Kubernetes writes them
-
-
-_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_SUFFIX: Final = {
-    None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-}  # fmt: skip
-
-
-def quantity(value: Any, what: str) -> int:
-    """A Kubernetes quantity (``500``, ``1k``, ``10Gi``) as an integer >= 0."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: {value!r} is not a quantity")
-    if isinstance(value, int):
-        number = value
-    else:
-        match = _QUANTITY.match(str(value).strip())
-        if match is None:
-            raise ValueError(f"{what}: {value!r} is not a quantity such as 500, 1k or 10Gi")
-        number = math.ceil(float(match.group(1)) * _SUFFIX[match.group(2)])
-    if number < 0:
-        raise ValueError(f"{what} must be non-negative, got {number}")
-    return number
-
-
-def duration(value: Any, what: str) -> float:
-    """A Go duration (``60s``, ``1m30s``, ``500ms``) in seconds, >= 0."""
-    try:
-        return parse_duration(value)
-    except ValueError:
-        raise ValueError(
-            f"{what}: {value!r} is not a duration such as 60s, 1m30s or 500ms"
-        ) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings
-
-
-@dataclass(slots=True, frozen=True)
-class BandSettings:
-    max_requests: int = DEFAULT_BAND_REQUESTS
-    max_bytes: int = DEFAULT_BAND_BYTES
-    fairness: str = "global-strict-fairness-policy"
-
-
-@dataclass(slots=True, frozen=True)
-class FlowControlSettings:
-    """The ``flowControl`` section, parsed (`flow_control_settings`)."""
-
-    max_requests: int = 0  # 0: no global limit
-    max_bytes: int = 0
-    ttl: float = DEFAULT_TTL_S  # 0: no expiry while the pool has endpoints
-    no_endpoint_ttl: float = DEFAULT_TTL_S
-    default_band: BandSettings = BandSettings()
-    negative_band: BandSettings | None = None
-    bands: Mapping[int, BandSettings] = field(default_factory=dict)
-    usage_limit_policy: str = "static-usage-limit-policy"
-
-    def band(self, priority: int) -> BandSettings:
-        if priority in self.bands:
-            return self.bands[priority]
-        if priority < 0 and self.negative_band is not None:
-            return self.negative_band
-        return self.default_band
-
-
-def _band(raw: Any, where: str, plugins: Mapping[str, str]) -> BandSettings:
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {raw!r}")
-    unknown = sorted(set(raw) - {"priority", "maxRequests", "maxBytes", "fairnessPolicyRef",
-                                 "orderingPolicyRef"})  # fmt: skip
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
-    fairness = raw.get("fairnessPolicyRef") or "global-strict-fairness-policy"
-    ordering = raw.get("orderingPolicyRef") or "fcfs-ordering-policy"
-    for ref, kinds, key in (
-        (fairness, FAIRNESS_TYPES, "fairnessPolicyRef"),
-        (ordering, ORDERING_TYPES, "orderingPolicyRef"),
-    ):
-        kind = plugins.get(ref, ref if ref in UNDECLARED_OK else None)
-        if kind is None and ref in kinds:
-            raise ValueError(
-                f"{where}.{key}: {ref!r} is not declared; add `- type: {ref}` to plugins "
-                "(it learns from every request's dispatch and response, so it must be declared)"
-            )
-        if kind not in kinds:
-            raise ValueError(
-                f"{where}.{key}: {ref!r} is not a declared {' or '.join(kinds)} plugin"
-            )
-    # 0 means unset for a band, as upstream.
-    requests = quantity(raw.get("maxRequests", 0), f"{where}.maxRequests") or DEFAULT_BAND_REQUESTS
-    size = quantity(raw.get("maxBytes", 0), f"{where}.maxBytes") or DEFAULT_BAND_BYTES
-    return BandSettings(requests, size, fairness)
-
-
-def flow_control_settings(section: Any, plugins: Mapping[str, str]) -> FlowControlSettings:
-    """The ``flowControl`` section (a `epp.config_sections.FlowControlSpec`) with the gate on;
-    ``plugins``: declared name → type.  Raises ValueError naming the key."""
-    if section is None:
-        return FlowControlSettings()
-    if section.enableEviction:
-        raise ValueError(
-            "flowControl.enableEviction: evicting running requests is not implemented here; "
-            "waiting requests leave by their TTL or the band's capacity"
-        )
-    ttl = (
-        duration(section.defaultRequestTTL, "flowControl.defaultRequestTTL")
-        if (section.defaultRequestTTL is not None)
-        else DEFAULT_TTL_S
-    )
-    no_endpoint = (
-        duration(section.noEndpointRequestTTL, "flowControl.noEndpointRequestTTL")
-        if section.noEndpointRequestTTL is not None
-        else ttl
-        if section.defaultRequestTTL is not None
-        else DEFAULT_TTL_S
-    )
-    default_band = (
-        _band(section.defaultPriorityBand, "flowControl.defaultPriorityBand", plugins)
-        if section.defaultPriorityBand is not None
-        else BandSettings()
-    )
-    negative = (
-        _band(section.defaultNegativePriorityBand, "flowControl.defaultNegativePriorityBand",
-              plugins)
-        if section.defaultNegativePriorityBand is not None
-        else None
-    )  # fmt: skip
-    bands: dict[int, BandSettings] = {}
-    for i, raw in enumerate(section.priorityBands or ()):
-        where = f"flowControl.priorityBands[{i}]"
-        priority = raw.get("priority") if isinstance(raw, Mapping) else None
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"{where}.priority: an integer is required")
-        if priority in bands:
-            raise ValueError(f"{where}.priority: duplicate priority level {priority}")
-        bands[priority] = _band(raw, where, plugins)
-    policy = section.usageLimitPolicyPluginRef or "static-usage-limit-policy"
-    kind = plugins.get(policy, policy if policy == "static-usage-limit-policy" else None)
-    if kind not in USAGE_LIMIT_TYPES:
-        raise ValueError(
-            f"flowControl.usageLimitPolicyPluginRef: {policy!r} is not a declared usage limit "
-            f"policy ({', '.join(USAGE_LIMIT_TYPES)})"
-        )
-    return FlowControlSettings(
-        max_requests=quantity(section.maxRequests or 0, "flowControl.maxRequests"),
-        max_bytes=quantity(section.maxBytes or 0, "flowControl.maxBytes"),
-        ttl=ttl,
-        no_endpoint_ttl=no_endpoint,
-        default_band=default_band,
-        negative_band=negative,
-        bands=bands,
-        usage_limit_policy=policy,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # Queues
 
 
@@ -320,6 +161,7 @@ class Item:
     enqueued_at: float  # the controller's clock
     done: asyncio.Future[Outcome]
     request: LLMRequest | None = None  # for policies that follow it past dispatch
+    order: tuple[float, float, int] = (0.0, 0.0, 0)  # its band's ordering key, then `seq`
 
 
 @dataclass(slots=True)
@@ -368,10 +210,11 @@ class FlowController:
         self,
         settings: FlowControlSettings,
         saturation: Callable[[Sequence[Endpoint]], float],
-        usage_limit: StaticUsageLimit | SoftReflectiveCeiling,
+        usage_limit: UsageLimitPolicy,
         fairness: Mapping[str, FairnessPolicy],
         pool: Callable[[], list[Endpoint]],
         *,
+        ordering: Mapping[str, OrderingPolicy] | None = None,
         clock: Callable[[], float] = time.monotonic,
         observer: FlowObserver | None = None,
     ) -> None:
@@ -379,6 +222,8 @@ class FlowController:
         self._saturation = saturation
         self._limit = usage_limit
         self._fairness = fairness
+        # By name; a band whose policy is missing here keeps arrival order.
+        self._ordering = dict(ordering or {})
         self._pool = pool
         self._clock = clock
         self._observer = observer if observer is not None else FlowObserver()
@@ -387,6 +232,8 @@ class FlowController:
         self._waiting = 0
         self._bytes = 0
         self._ticker: asyncio.Task[None] | None = None
+        for priority in sorted({0, *settings.bands}):
+            self._band(priority)
 
     # -- the director's interface (as `epp.admission.AdmissionController`) ---------------------
 
@@ -421,9 +268,15 @@ class FlowController:
             )
         done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         item = Item(next(self._seq), size, start, done, request)
+        policy = self._ordering.get(band.settings.ordering)
+        key = policy.order_key(item, self.settings.ttl) if policy is not None else (start, 0.0)
+        item.order = (*key, item.seq)
         observer.flow_control_queue(request, 1, size)
         queue = band.flows.setdefault(flow, Flow(flow)).items
-        queue.append(item)
+        if queue and queue[-1].order > item.order:
+            insort(queue, item, key=lambda i: i.order)  # an earlier deadline than the tail's
+        else:
+            queue.append(item)
         band.waiting += 1
         band.bytes += size
         self._waiting += 1
@@ -533,7 +386,7 @@ class FlowController:
         )
         saturation = stages["effective"]
         bands = sorted(self._bands.values(), key=lambda b: -b.priority)
-        ceilings = self._limit.ceilings(saturation, len(bands))
+        ceilings = self._limit.ceilings(saturation, [b.priority for b in bands])
         for band, ceiling in zip(bands, ceilings, strict=True):
             if saturation >= ceiling:
                 return  # head-of-line: lower bands wait too
@@ -555,11 +408,14 @@ class FlowController:
             return
         outcome: Outcome = "EvictedNoEndpoints" if empty else "EvictedTTL"
         for band in self._bands.values():
+            policy = self._ordering.get(band.settings.ordering)
+            in_arrival_order = policy is None or policy.arrival_ordered
             for flow in band.flows.values():
-                # A flow's requests are in arrival order: the expired ones lead it.
                 for item in flow.items:
                     if now - item.enqueued_at < ttl:
-                        break
+                        if in_arrival_order:
+                            break  # the expired requests lead the flow
+                        continue
                     if not item.done.done():
                         item.done.set_result(outcome)
 
@@ -598,9 +454,10 @@ def build_flow_controller(
         return found
 
     limit = instance(settings.usage_limit_policy)
-    if not isinstance(limit, StaticUsageLimit | SoftReflectiveCeiling):
+    if not isinstance(limit, UsageLimitPolicy):
         raise PluginConfigError(f"{settings.usage_limit_policy!r} is not a usage limit policy")
     fairness: dict[str, FairnessPolicy] = {}
+    ordering: dict[str, OrderingPolicy] = {}
     bands = [settings.default_band, *settings.bands.values()]
     if settings.negative_band is not None:
         bands.append(settings.negative_band)
@@ -609,4 +466,8 @@ def build_flow_controller(
         if not isinstance(policy, FairnessPolicy):
             raise PluginConfigError(f"{band.fairness!r} is not a fairness policy")
         fairness[band.fairness] = policy
-    return FlowController(settings, saturation, limit, fairness, pool, **kwargs)
+        order = instance(band.ordering)
+        if not isinstance(order, OrderingPolicy):
+            raise PluginConfigError(f"{band.ordering!r} is not an ordering policy")
+        ordering[band.ordering] = order
+    return FlowController(settings, saturation, limit, fairness, pool, ordering=ordering, **kwargs)

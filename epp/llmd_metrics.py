@@ -4,7 +4,8 @@ written for either work.
 
 Their labels are llm-d-router's: ``model_name`` (the client's), ``target_model_name`` (after a
 rewrite), ``fairness_id`` (the ``x-llm-d-inference-fairness-id`` or
-``x-gateway-inference-fairness-id`` header, ``default-flow`` without one), ``priority`` (the
+``x-gateway-inference-fairness-id`` header, else the ``agent-identity`` plugin's session id,
+``default-flow`` without either), ``priority`` (the
 InferenceObjective's, `epp.request_rules`), and ``streaming`` on the TTFT.  Buckets are
 upstream's.
 """
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from scorers.base import LLMRequest
 from scorers.disagg import DISAGG_DECISION, DisaggDecision
 from scorers.disagg_legacy import PD_DECISION
+from scorers.request_data import AGENT_IDENTITY
 
 FAIRNESS_HEADERS: Final = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 DEFAULT_FAIRNESS_ID: Final = "default-flow"
@@ -51,10 +53,13 @@ OVERFLOW: Final = "other"
 
 
 def fairness_id(request: LLMRequest) -> str:
+    """The request's flow: its fairness header, else the agent session ``agent-identity``
+    found (llm-d-router's director derives it the same way), else ``default-flow``."""
     for header in FAIRNESS_HEADERS:
         if value := request.headers.get(header):
             return value
-    return DEFAULT_FAIRNESS_ID
+    agent = request.data.get(AGENT_IDENTITY)
+    return agent if isinstance(agent, str) and agent else DEFAULT_FAIRNESS_ID
 
 
 class BoundedLabel:

@@ -6,8 +6,9 @@ Read from upstream's ``pkg/epp/framework/plugins/flowcontrol/fairness/program-aw
 (``plugin.go``, ``strategy.go``, ``strategy_las.go``, ``programmetrics.go``, ``prometheus.go``,
 ``README.md``); Beta there.
 
-* A program is a flow: the request's fairness id (``x-llm-d-inference-fairness-id``, else
-  ``default-flow``), so one program's requests queue together in each band.
+* A program is a flow: the request's fairness id (``x-llm-d-inference-fairness-id``, else the
+  ``agent-identity`` session, else ``default-flow``), so one program's requests queue together
+  in each band.
 * Attained service is counted when a response completes: ``prompt_tokens + 2 ×
   completion_tokens`` of its ``usage`` (output tokens cost about twice as much to produce).  It
   decays with a half-life (``lasHalfLifeSeconds``) in wall-clock time, folded in lazily whenever
@@ -16,10 +17,10 @@ Read from upstream's ``pkg/epp/framework/plugins/flowcontrol/fairness/program-aw
 * The choice (strategy ``las``, least attained service): over the flows of the band with
   requests waiting, each value is range-normalised (``(v - min)/(max - min)``, 0.5 when all are
   equal) and the flow with the highest ``lasWeightService·(1 - service) + lasWeightHeadWait·wait``
-  sends next, ``wait`` being its oldest request's age in whole milliseconds.  With the default
-  weights and two flows the service term alone decides unless their services are equal; the
-  wait term breaks ties at a cold start and, with three or more flows, lifts a long-waiting flow
-  over one that received only a little less service.
+  sends next, ``wait`` being its head request's age in whole milliseconds (the oldest, under
+  FCFS).  With the default weights and two flows the service term alone decides unless their
+  services are equal; the wait term breaks ties at a cold start and, with three or more flows,
+  lifts a long-waiting flow over one that received only a little less service.
 * Bookkeeping per program, on the request path: PreRequest counts a dispatch (in flight + 1)
   and the request's queue wait; ResponseComplete adds the service and ends it (in flight - 1).
 * Idle programs are forgotten: every ``evictionSweepSeconds`` a program with nothing in flight
@@ -28,7 +29,7 @@ Read from upstream's ``pkg/epp/framework/plugins/flowcontrol/fairness/program-aw
   index over the programs' mean waits), ``llm_d_epp_program_aware_avg_wait_time_milliseconds``
   and ``llm_d_epp_program_aware_attained_service_tokens`` by ``program_id``.
 
-Differences from upstream: equal scores go to the flow whose oldest request is the oldest
+Differences from upstream: equal scores go to the flow whose head request came first
 (upstream takes whichever its Go map iteration meets first, i.e. at random); the in-flight count
 is ended by every finished response, including one whose client went away (upstream waits for
 the end of the stream, so an abandoned request keeps its program from eviction for good); and the

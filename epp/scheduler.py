@@ -1,6 +1,7 @@
 """The scheduler: composes configured plugins into one decision per request.
 
     schedule(request, candidates)
+      0. every Screener narrows the candidates (none left: 503 ``rejected-no-endpoints``)
       1. every DataProducer's ``prepare`` (concurrently; tokenizing, prefix lookups), then
          every Admitter (the first to refuse drops the request with 429)
       2. the profile handler picks profiles until it returns none; each profile runs
@@ -42,17 +43,22 @@ from scorers.base import (
     PreRequest,
     ProfileHandler,
     ProfileResult,
+    RequestHeaderProcessor,
     ResponseComplete,
+    ResponseHeaderProcessor,
     SchedulingError,
     SchedulingResult,
     ScoredEndpoint,
     Scorer,
+    Screener,
     Usage,
 )
 
 logger = logging.getLogger(__name__)
 
 # Extension point names, as in the Inference Extension's plugin duration metric.
+REQUEST_HEADER: Final = "RequestHeader"
+SCREENER: Final = "Screener"
 DATA_PRODUCER: Final = "DataProducer"
 ADMISSION: Final = "Admission"
 PROFILE_PICKER: Final = "ProfilePicker"
@@ -61,10 +67,21 @@ SCORER: Final = "Scorer"
 PICKER: Final = "Picker"
 PROCESS_PROFILES_RESULTS: Final = "ProcessProfilesResults"
 PRE_REQUEST: Final = "PreRequest"
+RESPONSE_RECEIVED: Final = "ResponseReceived"
 RESPONSE_COMPLETE: Final = "ResponseComplete"
+# llm-d-router's director answers a request its screeners left no endpoint with this header.
+DROPPED_REASON_HEADER: Final = "x-llm-d-request-dropped-reason"
 
 PluginDurationHook = Callable[[str, str, str, float], None]
 """``(extension_point, plugin_type, plugin_name, seconds)``."""
+
+
+class ScreenedOutError(NoReadyEndpointsError):
+    """503: the screeners left no candidate (llm-d-router's ``rejected-no-endpoints``)."""
+
+    response_headers: tuple[tuple[str, str], ...] = (
+        (DROPPED_REASON_HEADER, "rejected-no-endpoints"),
+    )
 
 
 class _Named(Protocol):
@@ -201,9 +218,16 @@ class Scheduler:
             for plugin in (*profile.filters, *(w.scorer for w in profile.scorers), profile.picker):
                 everything.setdefault(id(plugin), plugin)
         self.plugins: tuple[object, ...] = tuple(everything.values())
+        self.request_header_plugins = tuple(
+            p for p in self.plugins if isinstance(p, RequestHeaderProcessor)
+        )
+        self.screeners = tuple(p for p in self.plugins if isinstance(p, Screener))
         self.data_producers = tuple(p for p in self.plugins if isinstance(p, DataProducer))
         self.admitters = tuple(p for p in self.plugins if isinstance(p, Admitter))
         self.pre_request_plugins = tuple(p for p in self.plugins if isinstance(p, PreRequest))
+        self.response_header_plugins = tuple(
+            p for p in self.plugins if isinstance(p, ResponseHeaderProcessor)
+        )
         self.response_complete_plugins = tuple(
             p for p in self.plugins if isinstance(p, ResponseComplete)
         )
@@ -230,11 +254,34 @@ class Scheduler:
             raise NoReadyEndpointsError(
                 "no ready endpoint to serve the request (the pool, or the subset hint, is empty)"
             )
+        candidates = self.run_screeners(request, candidates)
         await self.prepare(request, candidates)
         self.run_admission(request, candidates)
         result = self.run_profiles(request, candidates)
         self.run_pre_request(request, result)
         return result
+
+    def run_request_header(self, request: LLMRequest) -> None:
+        """Every RequestHeaderProcessor, in configuration order, before admission; one that
+        raises a `SchedulingError` fails the request (as llm-d-router's director)."""
+        for plugin in self.request_header_plugins:
+            start = perf_counter()
+            plugin.request_header(request)
+            self._record(REQUEST_HEADER, plugin, perf_counter() - start)
+
+    def run_screeners(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        """The candidates every Screener keeps.  Each sees all of them, as llm-d-router's
+        director hands each its own copy and intersects the answers; none left is
+        `ScreenedOutError` (503)."""
+        kept = list(candidates)
+        for screener in self.screeners:
+            start = perf_counter()
+            allowed = {id(ep) for ep in screener.screen(request, list(candidates))}
+            self._record(SCREENER, screener, perf_counter() - start)
+            kept = [ep for ep in kept if id(ep) in allowed]
+        if not kept:
+            raise ScreenedOutError("screeners eliminated all endpoint candidates")
+        return kept
 
     async def prepare(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
         """Await every DataProducer, concurrently."""
@@ -352,6 +399,16 @@ class Scheduler:
             self.response_complete_plugins,
             request,
             lambda plugin: plugin.response_complete(request, endpoint, usage),
+        )
+
+    def run_response_header(self, request: LLMRequest, endpoint: Endpoint | None) -> None:
+        """Every ResponseHeaderProcessor, when the model server's headers arrive; failures
+        are logged, never raised."""
+        self._run_each(
+            RESPONSE_RECEIVED,
+            self.response_header_plugins,
+            request,
+            lambda plugin: plugin.response_header(request, endpoint),
         )
 
     def endpoint_added(self, endpoint: Endpoint) -> None:

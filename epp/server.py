@@ -48,6 +48,7 @@ from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
 from epp.flow_control import FlowController, build_flow_controller
 from epp.gauges import GaugeSample
 from epp.health import HealthService, add_health_service
+from epp.models_scraping import ModelsScraper, models_wirings
 from epp.request_rules import RequestRules
 from epp.requests import DEFAULT_MAX_BODY_BYTES
 from epp.scheduler import Scheduler
@@ -218,6 +219,12 @@ class EndpointPicker:
             dcgm_wirings(config, self.scheduler.plugin),
             tick=options.refresh_metrics_interval,
         )
+        # dataLayer's models-data-source entries: each endpoint's /v1/models.
+        self.models_scraper = ModelsScraper(
+            self.datastore,
+            models_wirings(config, self.scheduler.plugin),
+            tick=options.refresh_metrics_interval,
+        )
         self.discovery: Discovery = self._discovery()
         self.health = HealthService(lambda: self.datastore.synced)
         self.extproc: ExtProcServer | None = None
@@ -286,6 +293,7 @@ class EndpointPicker:
         self.datastore.add_listener(self.scraper)
         await self.scraper.start()
         await self.dcgm_scraper.start()
+        await self.models_scraper.start()
         await self.discovery.start()
         self.health_server = await _start_health_server(
             self.health, opts.host, opts.grpc_health_port
@@ -373,6 +381,7 @@ class EndpointPicker:
             await self.discovery.stop()
         await self.scraper.stop()
         await self.dcgm_scraper.stop()
+        await self.models_scraper.stop()
         await self.scheduler.stop()
         await self.context.kv_caches.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)

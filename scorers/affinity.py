@@ -20,6 +20,7 @@ from scorers.base import (
     register,
 )
 from scorers.request_data import (
+    RESPONSE_HEADERS,
     SESSION_TOKEN,
     PrefixMatchInfo,
     is_cold_request,
@@ -70,9 +71,9 @@ class SessionAffinityScorer(Plugin[NoParameters]):
     endpoint here, and it is what the destination header already reveals).
 
     PreRequest: stores the token of the chosen endpoint in
-    ``request.data["session-token"]`` (`scorers.request_data.SESSION_TOKEN`); the ext_proc layer
-    sends it to the client in the ``x-session-token`` response header, which the client echoes
-    on its next request.
+    ``request.data["session-token"]`` (`scorers.request_data.SESSION_TOKEN`); ResponseHeader
+    hands it to the ext_proc layer, which sends it to the client in the ``x-session-token``
+    response header, which the client echoes on its next request.
     """
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
@@ -84,6 +85,11 @@ class SessionAffinityScorer(Plugin[NoParameters]):
         targets = result.targets
         if targets:
             request.data[SESSION_TOKEN] = encode_session_token(targets[0].address)
+
+    def response_header(self, request: LLMRequest, endpoint: Endpoint | None) -> None:
+        token = request.data.get(SESSION_TOKEN)
+        if isinstance(token, str):
+            request.data.setdefault(RESPONSE_HEADERS, {})[SESSION_TOKEN_HEADER] = token
 
 
 @register("lora-affinity-scorer")

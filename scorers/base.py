@@ -184,6 +184,10 @@ class LLMRequest:
     data: dict[str, Any] = field(default_factory=dict)
     # The body's length as received (flow control's queue bytes).
     body_bytes: int = 0
+    # When its headers reached the EPP (time.monotonic()), as llm-d-router's
+    # RequestReceivedTimestamp: ``slo-deadline-ordering-policy`` counts its SLO from there.
+    # None for requests not built from an ext_proc stream.
+    received_at: float | None = None
     # Headers the EPP sets on the forwarded request (a profile handler's or PreRequest plugin's:
     # the P/D sidecar's prefiller); None removes a header the client sent.
     set_headers: dict[str, str | None] = field(default_factory=dict)
@@ -446,6 +450,39 @@ class SaturationDetector(Protocol):
     name: str
 
     def saturation(self, endpoints: Sequence[Endpoint]) -> float: ...
+
+
+@runtime_checkable
+class RequestHeaderProcessor(Protocol):
+    """Runs once the request is assembled, before admission and flow control (llm-d-router's
+    RequestHeaderProcessor): it may annotate ``request.data`` (``agent-identity``); raising a
+    `SchedulingError` fails the request."""
+
+    name: str
+
+    def request_header(self, request: LLMRequest) -> None: ...
+
+
+@runtime_checkable
+class Screener(Protocol):
+    """Narrows the candidates before data producers and every scheduling profile run
+    (llm-d-router's Screener); each screener sees all candidates and only the endpoints every
+    one of them keeps go on."""
+
+    name: str
+
+    def screen(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]: ...
+
+
+@runtime_checkable
+class ResponseHeaderProcessor(Protocol):
+    """Runs when the model server's response headers arrive (llm-d-router's
+    ResponseHeaderProcessor); ``endpoint`` is the one serving the request (None once it left
+    the pool).  Headers for the client go in ``request.data`` (RESPONSE_HEADERS)."""
+
+    name: str
+
+    def response_header(self, request: LLMRequest, endpoint: Endpoint | None) -> None: ...
 
 
 @runtime_checkable

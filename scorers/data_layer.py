@@ -12,9 +12,9 @@ means what it says.
   (`epp.requests`, `epp.vllm_grpc`, `epp.generate_requests`, `epp.vertex_ai`), chosen by
   ``requestHandler.parsers`` (`epp.config_sections`).  All Beta in llm-d-router: no
   ``--allow-experimental-plugins`` needed.
-* ``inflight-load-producer``: the requests (and prompt tokens) each endpoint has in flight, which
-  the EPP counts as it routes and as responses end (`epp.datastore`), for
-  ``concurrency-detector``.
+* ``inflight-load-producer`` (`scorers.inflight_load`, which also offers its output estimate):
+  the requests (and prompt tokens) each endpoint has in flight, which the EPP counts as it routes
+  and as responses end (`epp.datastore`).
 * ``token-producer``: the tokenizer of the precise prefix plugins that name none
   (``modelName``); prompts are tokenized in this process with the model's tokenizer and chat
   template, as vLLM renders them, where llm-d-router asks vLLM's ``/render`` endpoint
@@ -74,11 +74,6 @@ class CoreMetricsExtractor(Plugin[CoreMetricsExtractorParameters]):
 @register("endpoint-notification-source")
 class EndpointNotificationSource(Plugin[NoParameters]):
     """Endpoints coming and going, told to the plugins that listen (built in)."""
-
-
-@register("inflight-load-producer")
-class InFlightLoadProducer(Plugin[NoParameters]):
-    """Each endpoint's requests and prompt tokens in flight (built in)."""
 
 
 @register("openai-parser")

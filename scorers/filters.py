@@ -8,6 +8,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scorers.base import Endpoint, LLMRequest, NoParameters, Plugin, PluginContext, register
+from scorers.deprecated_types import warn_deprecated
 
 ROLE_LABEL = "llm-d.ai/role"
 """llm-d's disaggregation role label on model server pods."""
@@ -111,4 +112,8 @@ class LabelSelectorFilter(Plugin[LabelSelectorParameters]):
 
 @register("by-label-selector")
 class ByLabelSelectorFilter(LabelSelectorFilter):
-    """llm-d v0.3 name of ``label-selector-filter``."""
+    """llm-d v0.3 name of ``label-selector-filter`` (deprecated in llm-d-router, which warns)."""
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        warn_deprecated(self, "label-selector-filter")

@@ -23,11 +23,15 @@ from scorers.base import (
     LLMRequest,
     NoParameters,
     Plugin,
-    PluginConfigError,
     PluginContext,
     register,
 )
 from scorers.disagg import cached_tokens_on
+from scorers.inflight_load import (
+    InFlightLoadProducer,
+    bind_in_flight_producer,
+    queued_prefill_tokens,
+)
 
 DEFAULT_TOKEN_QUEUE_THRESHOLD: Final = 4_194_304  # upstream's: 128 requests of 32k tokens
 
@@ -166,26 +170,28 @@ class TokenLoadScorer(Plugin[TokenLoadParameters]):
     .in_flight_prefill_tokens``: the uncached prompt tokens of the requests this EPP routed
     there that have not produced a first token, upstream's ``InFlightLoad`` tokens) plus what
     this request would add there (its prompt less what the endpoint holds, per the prefix
-    plugins' match; the whole prompt without one, upstream's ``UncachedRequestTokens``)."""
+    plugins' match; the whole prompt without one, upstream's ``UncachedRequestTokens``).
+    When the ``inflight-load-producer`` it reads estimates output, both terms include the
+    estimated output and the requests in flight count until they end
+    (`scorers.inflight_load`)."""
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         threshold = self.p.queueThresholdTokens
         self.threshold = float(threshold if threshold > 0 else DEFAULT_TOKEN_QUEUE_THRESHOLD)
+        self.producer: InFlightLoadProducer | None = None
 
     def bind(self, plugins: Mapping[str, object]) -> None:
-        name = self.p.inFlightLoadProducerName
-        if name and getattr(plugins.get(name), "type_name", None) != "inflight-load-producer":
-            raise PluginConfigError(
-                f"{self.type_name} {self.name!r}: parameters.inFlightLoadProducerName {name!r} "
-                "names no declared inflight-load-producer"
-            )
+        self.producer = bind_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         prompt = request.prompt_tokens
+        producer = self.producer
+        output = producer.estimated_output(request) if producer is not None else 0
         scores = {}
         for endpoint in endpoints:
             cached = cached_tokens_on(request, endpoint.address) or 0
-            tokens = max(0, endpoint.load.in_flight_prefill_tokens) + max(0, prompt - cached)
+            own = max(0, prompt - cached) + output
+            tokens = queued_prefill_tokens(endpoint, producer) + own
             scores[endpoint.address] = 1.0 - min(1.0, tokens / self.threshold)
         return scores

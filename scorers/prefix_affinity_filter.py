@@ -21,8 +21,9 @@ predicted-latency configuration: 0.99 before the SLO tier filter, 0.8 after it).
 
 As upstream, except where the data come from: the in-flight prefill tokens are the EPP's own
 count (prompt tokens not cached there, of requests routed there that have not produced their
-first token; upstream's ``inflight-load-producer``, built in here, so
-``inFlightLoadProducerName`` may only name a declared one), read when the filter runs, and the
+first token: upstream's ``inflight-load-producer``, built in here; ``inFlightLoadProducerName``
+may only name a declared one, whose output estimate, if it makes one, counts too:
+`scorers.inflight_load`), read when the filter runs, and the
 predictions are this EPP's estimate rather than upstream's sidecar's
 (`scorers.predicted_latency`).
 """
@@ -36,10 +37,14 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scorers.base import Endpoint, LLMRequest, Plugin, register
+from scorers.inflight_load import (
+    InFlightLoadProducer,
+    bind_in_flight_producer,
+    queued_prefill_tokens,
+)
 from scorers.predicted_latency import (
     PredictedLatencyProducer,
     bind_latency_producer,
-    check_in_flight_producer,
     latency_predictions,
     prefix_match,
     prefix_score,
@@ -88,9 +93,10 @@ class PrefixCacheAffinityFilter(Plugin[AffinityFilterParameters]):
     """Keeps the endpoints holding the request's prefix, unless too busy (module docstring)."""
 
     _producer: PredictedLatencyProducer | None = None
+    _in_flight: InFlightLoadProducer | None = None
 
     def bind(self, plugins: Mapping[str, object]) -> None:
-        check_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
+        self._in_flight = bind_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
         if self._uses_predictor:
             self._producer = bind_latency_producer(
                 self, self.p.latencyPredictionInfoProducerName, plugins
@@ -135,8 +141,9 @@ class PrefixCacheAffinityFilter(Plugin[AffinityFilterParameters]):
 
             return predicted
         rate = self.p.peakPrefillThroughput
+        in_flight = self._in_flight
 
         def from_throughput(e: Endpoint) -> float:
-            return 1000.0 * e.load.in_flight_prefill_tokens / rate
+            return 1000.0 * queued_prefill_tokens(e, in_flight) / rate
 
         return from_throughput

@@ -72,10 +72,24 @@ RESPONSE_METADATA (``"response.dynamic_metadata"``): ``dict[str, dict[str, float
     of the reply to the message that ended the response (its last body chunk, or its trailers).
     Plugins add their keys to what is there (several may share a namespace).
 
+RESPONSE_HEADERS (``"response.headers"``): ``dict[str, str]``
+    Headers the ext_proc layer sets on the response to the client, on its reply to the model
+    server's response headers.  Written by ResponseHeader plugins
+    (``disaggregatedset-rollout-screener`` stamps the serving pod's labels); taken by
+    `epp.extproc` right after they ran.
+
+AGENT_IDENTITY (``"agent-identity"``): ``str``
+    The agent session the request belongs to (llm-d-router's ``agent-identity`` request
+    attribute): the first non-empty of the session headers ``agent-identity`` checks.  Written
+    by that plugin before admission; read by `epp.llmd_metrics.fairness_id`, which makes it
+    the request's flow when no fairness header names one.
+
 SESSION_TOKEN (``"session-token"``): ``str``
     The value the ext_proc layer must send back in the ``x-session-token`` response header:
     base64 of the chosen endpoint's address.  Written by ``session-affinity-scorer`` in
-    PreRequest.  Absent when that plugin is not configured.
+    PreRequest and copied to RESPONSE_HEADERS by it when the response headers arrive.  Absent
+    when that plugin is not configured.  (``session-affinity-filter`` writes its own header,
+    possibly another, straight to RESPONSE_HEADERS.)
 """
 
 from __future__ import annotations
@@ -96,6 +110,8 @@ SESSION_TOKEN: Final = "session-token"
 PREFIX_MATCH_INFO: Final = "prefix.match_info/"
 RESPONSE_TIMING: Final = "response.timing"
 RESPONSE_METADATA: Final = "response.dynamic_metadata"
+RESPONSE_HEADERS: Final = "response.headers"
+AGENT_IDENTITY: Final = "agent-identity"
 LATENCY_PREDICTION_INFO: Final = "latency.prediction_info/"
 
 

@@ -16,9 +16,10 @@ with fresh metrics under both thresholds (× ``1 + headroom``), or all of them w
 ``concurrency-detector`` measures it from what the EPP itself has in flight instead of scraped
 metrics (no scrape lag: a request counts from the moment it is routed): ``requests`` mode,
 requests in flight over ``maxConcurrency`` per endpoint, pool-wide; ``tokens`` mode, the prompt
-tokens they added to the pods' KV caches over ``maxTokenConcurrency``; ``hybrid``, the mean over
-endpoints of the larger ratio.  As a filter it keeps the endpoints under its limits
-(× ``1 + headroom``), and none when all are over (as upstream).
+tokens they added to the pods' KV caches (and the output the ``inflight-load-producer`` it reads
+estimates for them, when it does: `scorers.inflight_load`) over ``maxTokenConcurrency``;
+``hybrid``, the mean over endpoints of the larger ratio.  As a filter it keeps the endpoints
+under its limits (× ``1 + headroom``), and none when all are over (as upstream).
 
 ``probabilistic-admitter`` drops sheddable requests before it is saturated: with the same mean
 ``s`` (its own thresholds; metrics never scraped count as 1), with probability
@@ -38,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from epp.gauges import GaugeSample
 from kvcache.settings import parse_duration
-from scorers.base import Endpoint, LLMRequest, Plugin, PluginConfigError, register
+from scorers.base import Endpoint, LLMRequest, Plugin, register
+from scorers.inflight_load import InFlightLoadProducer, bind_in_flight_producer, in_flight_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +174,14 @@ class ConcurrencyParameters(BaseModel):
 class ConcurrencyDetector(Plugin[ConcurrencyParameters]):
     """The pool's saturation from the EPP's own in-flight counts (module docstring)."""
 
+    producer: InFlightLoadProducer | None = None
+
     def bind(self, plugins: Mapping[str, object]) -> None:
-        name = self.p.inFlightLoadProducerName
-        if name and getattr(plugins.get(name), "type_name", None) != "inflight-load-producer":
-            raise PluginConfigError(
-                f"{self.type_name} {self.name!r}: parameters.inFlightLoadProducerName {name!r} "
-                "names no declared inflight-load-producer"
-            )
+        # Its token counts include the producer's output estimate, when it makes one.
+        self.producer = bind_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
+
+    def _tokens(self, endpoint: Endpoint) -> int:
+        return in_flight_tokens(endpoint, self.producer)
 
     def saturation(self, endpoints: Sequence[Endpoint]) -> float:
         if not endpoints:
@@ -188,13 +191,13 @@ class ConcurrencyDetector(Plugin[ConcurrencyParameters]):
         if p.concurrencyMode == "requests":
             return sum(ep.load.in_flight_requests for ep in endpoints) / (n * p.maxConcurrency)
         if p.concurrencyMode == "tokens":
-            tokens = sum(ep.load.in_flight_kv_tokens for ep in endpoints)
+            tokens = sum(self._tokens(ep) for ep in endpoints)
             return tokens / (n * p.maxTokenConcurrency)
         return (
             sum(
                 max(
                     ep.load.in_flight_requests / p.maxConcurrency,
-                    ep.load.in_flight_kv_tokens / p.maxTokenConcurrency,
+                    self._tokens(ep) / p.maxTokenConcurrency,
                 )
                 for ep in endpoints
             )
@@ -210,7 +213,7 @@ class ConcurrencyDetector(Plugin[ConcurrencyParameters]):
             ep
             for ep in endpoints
             if (mode == "tokens" or ep.load.in_flight_requests < requests_limit)
-            and (mode == "requests" or ep.load.in_flight_kv_tokens < tokens_limit)
+            and (mode == "requests" or self._tokens(ep) < tokens_limit)
         ]
 
 

@@ -341,7 +341,8 @@ def test_data_layer_sources_and_extractors_must_be_what_runs_here() -> None:
         "(precise-prefix-cache-producer) does not read metrics-data-source; it reads: "
         "core-metrics-extractor",
         "dataLayer.sources[1].pluginRef: 'queue-scorer' (queue-scorer) is not a data source "
-        "here; sources: metrics-data-source, endpoint-notification-source, dcgm-data-source",
+        "here; sources: metrics-data-source, endpoint-notification-source, dcgm-data-source, "
+        "models-data-source",
         "dataLayer.sources[2].pluginRef: 'nowhere' is not a declared plugin",
     )
     (problem,) = problems("plugins:\n- type: metrics-data-source\n  parameters: {path: /stats}")

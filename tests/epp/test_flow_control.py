@@ -254,9 +254,9 @@ async def test_soft_reflective_ceilings_close_lower_bands_first() -> None:
     )
     config = load_config(text=text)
     limit = build_flow_controller(config.flow_control_settings, {}, lambda e: 0.0, pool)._limit
-    assert limit.ceilings(0.3, 2) == [1.0, 1.0]
-    assert limit.ceilings(1.0, 2) == [1.0, 0.0]
-    opened = [limit.ceilings(0.7, 2)[1] for _ in range(6)]
+    assert limit.ceilings(0.3, [99, 0]) == [1.0, 1.0]
+    assert limit.ceilings(1.0, [99, 0]) == [1.0, 0.0]
+    opened = [limit.ceilings(0.7, [99, 0])[1] for _ in range(6)]
     assert opened.count(1.0) == 3 and opened.count(0.0) == 3
 
 

@@ -382,7 +382,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def dcgm_tasks() -> list[asyncio.Task[Any]]:
-    return [t for t in asyncio.all_tasks() if t.get_name().startswith("dcgm ")]
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("dcgm-scraper ")]
 
 
 def scraper_for(
@@ -448,7 +448,7 @@ async def test_an_exporter_that_stops_answering_loses_its_reading_and_regains_it
                 assert scraper.failing == {}
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # once per outage, not once per scrape
-    assert "no GPU metrics for 127.0.0.1:8000" in warnings[0].getMessage()
+    assert "no GPU metrics from 127.0.0.1:8000" in warnings[0].getMessage()
     assert any("read again" in r.getMessage() for r in caplog.records)
 
 
