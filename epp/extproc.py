@@ -98,7 +98,7 @@ from epp.requests import (
 from epp.vertex_ai import VertexUsage
 from epp.vllm_grpc import ResponseUsage, grpc_http_status, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
-from scorers.request_data import RESPONSE_HEADERS, RESPONSE_METADATA
+from scorers.request_data import LB_METADATA, RESPONSE_HEADERS, RESPONSE_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +311,19 @@ def decode_headers(header_map: Any) -> dict[str, str]:
     return headers
 
 
+def lb_metadata(metadata_context: Any) -> dict[str, str]:
+    """The string fields of the ``envoy.lb`` namespace (the gateway's load-balancing
+    metadata, where it reports the endpoint that served)."""
+    namespace = metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
+    if namespace is None:
+        return {}
+    return {
+        key: value.string_value
+        for key, value in namespace.fields.items()
+        if value.WhichOneof("kind") == "string_value"
+    }
+
+
 def subset_hint(metadata_context: Any) -> frozenset[str] | None:
     """IPs of the proxy's subset hint, None when there is no hint.  The hint lists
     ``ip:port`` (or bare IPs); matching is by IP only, as in the Inference Extension."""
@@ -450,6 +463,7 @@ class ExtProcStream:
         self._request: LLMRequest | None = None
         self.decision: RoutingDecision | None = None
         self._response = _ResponseState()
+        self._lb_metadata: dict[str, str] = {}  # envoy.lb's string fields, latest of each
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -458,10 +472,12 @@ class ExtProcStream:
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
             self.response_body_mode = message.protocol_config.response_body_mode
-        if message.HasField("metadata_context") and not self._settings.ignore_subset_hint:
-            hint = subset_hint(message.metadata_context)
-            if hint is not None:
-                self.subset = hint
+        if message.HasField("metadata_context"):
+            self._lb_metadata.update(lb_metadata(message.metadata_context))
+            if not self._settings.ignore_subset_hint:
+                hint = subset_hint(message.metadata_context)
+                if hint is not None:
+                    self.subset = hint
         if self.phase is Phase.FINISHED:
             return []  # we already answered with an ImmediateResponse; Envoy is tearing down
         kind = message.WhichOneof("request")
@@ -713,6 +729,8 @@ class ExtProcStream:
             self._response.usage = UsageScanner(
                 streaming="text/event-stream" in content_type, limit=limit
             )
+        if request is not None:
+            request.data[LB_METADATA] = dict(self._lb_metadata)
         if self.decision is not None and not self._response.completed:
             self._notify(
                 "response_headers",

@@ -78,6 +78,13 @@ RESPONSE_HEADERS (``"response.headers"``): ``dict[str, str]``
     (``disaggregatedset-rollout-screener`` stamps the serving pod's labels); taken by
     `epp.extproc` right after they ran.
 
+LB_METADATA (``"request.lb_metadata"``): ``dict[str, str]``
+    The string fields of the ``envoy.lb`` namespace of the metadata Envoy sent with the
+    request's ext_proc messages, the latest value of each (the gateway's report of the endpoint
+    that served, ``x-gateway-destination-endpoint-served``, among them).  Written by
+    `epp.extproc` before ResponseHeader plugins run; read by
+    ``destination-endpoint-served-verifier``.
+
 AGENT_IDENTITY (``"agent-identity"``): ``str``
     The agent session the request belongs to (llm-d-router's ``agent-identity`` request
     attribute): the first non-empty of the session headers ``agent-identity`` checks.  Written
@@ -111,6 +118,7 @@ PREFIX_MATCH_INFO: Final = "prefix.match_info/"
 RESPONSE_TIMING: Final = "response.timing"
 RESPONSE_METADATA: Final = "response.dynamic_metadata"
 RESPONSE_HEADERS: Final = "response.headers"
+LB_METADATA: Final = "request.lb_metadata"
 AGENT_IDENTITY: Final = "agent-identity"
 LATENCY_PREDICTION_INFO: Final = "latency.prediction_info/"
 
