@@ -44,7 +44,7 @@ from benchmarks.reports import write_json
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import start_extproc_server
+from epp.extproc_server import start_extproc_server
 from epp.health import EXTPROC_SERVICE, HealthService, add_health_service
 from indexer.events import BlockStored, KVEventBatch
 from indexer.hashing import block_hashes

@@ -55,7 +55,7 @@ from benchmarks.reports import write_json
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import start_extproc_server
+from epp.extproc_server import start_extproc_server
 from indexer.endpoint_feed import _EndpointFeed
 from indexer.events import KVEventBatch, encode_batch
 from indexer.tokenization import PromptTokenizer

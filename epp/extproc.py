@@ -56,30 +56,35 @@ The subset hint (``metadata_context.filter_metadata["envoy.lb.subset_hint"]
 matches it by IP only, so the `Router` receives the set of IPs.
 
 `ExtProcStream` is the per-stream state machine (no sockets: feed it ``ProcessingRequest``s,
-get ``ProcessingResponse``s back); `ExtProcServicer` is the thin grpcio adapter around it, and
-`start_extproc_server` starts a ``grpc.aio`` server with it.
+get ``ProcessingResponse``s back); `epp.extproc_messages` builds and reads the messages,
+`epp.usage_scan` reads a response's usage, and `epp.extproc_server` serves the stream over
+gRPC.
 """
 
 from __future__ import annotations
 
 import enum
-import gc
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeGuard
+from typing import Any, Final, Protocol
 
-import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from epp.extproc_messages import (
+    DESTINATION_NAMESPACE,
+    REQUEST_ID_HEADER,
+    decode_headers,
+    immediate_response,
+    lb_metadata,
+    set_header,
+    streamed_body_responses,
+    subset_hint,
+)
 from epp.generate_requests import SGLangUsage
 from epp.parser_claims import response_usage_reader
 from epp.requests import (
@@ -95,6 +100,7 @@ from epp.requests import (
     rewrite_model,
     vllm_grpc_method,
 )
+from epp.usage_scan import UsageScanner
 from epp.vertex_ai import VertexUsage
 from epp.vllm_grpc import ResponseUsage, grpc_http_status, is_grpc
 from scorers.base import LLMRequest, SchedulingError, Usage
@@ -103,13 +109,6 @@ from scorers.request_data import LB_METADATA, RESPONSE_HEADERS, RESPONSE_METADAT
 logger = logging.getLogger(__name__)
 
 DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
-DESTINATION_NAMESPACE: Final = "envoy.lb"
-SUBSET_HINT_NAMESPACE: Final = "envoy.lb.subset_hint"
-SUBSET_HINT_KEY: Final = "x-gateway-destination-endpoint-subset"
-REQUEST_ID_HEADER: Final = "x-request-id"
-# The Inference Extension's pkg/common/envoy/chunking.go: "Certain envoy implementations set a
-# max limit of 64Kb per streamed chunk".
-BODY_CHUNK_BYTES: Final = 62_000
 # Status reported to `Router.response_complete` when the stream ended before the upstream
 # answered (client went away, upstream reset).
 STATUS_UNKNOWN: Final = 0
@@ -204,203 +203,6 @@ class ExtProcSettings:
     ignore_subset_hint: bool = False
     # The configuration's ``requestHandler.parsers`` (`epp.requests.parsed_kind`).
     parsers: frozenset[str] = ALL_PARSERS
-
-
-# ---------------------------------------------------------------------------------------------
-# Response usage (OpenAI ``usage``), read without holding the stream up
-
-
-def parse_usage(value: Any) -> Usage | None:
-    """`Usage` from an OpenAI ``usage`` object, or None when it is absent or malformed."""
-    if not isinstance(value, dict):
-        return None
-    prompt = value.get("prompt_tokens")
-    completion = value.get("completion_tokens", 0)
-    if not _is_count(prompt) or not _is_count(completion):
-        return None
-    details = value.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=cached if _is_count(cached) else None,
-    )
-
-
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class UsageScanner:
-    """Collects the ``usage`` of a response body fed chunk by chunk.
-
-    Server-sent events (``text/event-stream``): every complete ``data:`` line that mentions
-    ``"usage"`` is decoded and the last non-null usage wins (vLLM sends it in the final chunk
-    with ``stream_options.include_usage``, or in every chunk with ``continuous_usage_stats``).
-    Anything else is treated as one JSON document, kept up to ``limit`` bytes and decoded at
-    the end.
-    """
-
-    def __init__(self, *, streaming: bool, limit: int) -> None:
-        self._streaming = streaming
-        self._limit = limit
-        self._buffer = bytearray()
-        self._overflow = False
-        self._usage: Usage | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        if self._overflow or not chunk:
-            return
-        self._buffer += chunk
-        if self._streaming:
-            self._scan_lines()
-        if len(self._buffer) > self._limit:
-            # A non-streamed body too large to keep, or an SSE line that never ends.
-            self._buffer.clear()
-            self._overflow = not self._streaming
-
-    def _scan_lines(self) -> None:
-        end = self._buffer.rfind(b"\n")
-        if end < 0:
-            return
-        complete = bytes(self._buffer[: end + 1])
-        del self._buffer[: end + 1]
-        for line in complete.splitlines():
-            self._scan_line(line)
-
-    def _scan_line(self, line: bytes) -> None:
-        if not line.startswith(b"data:") or b'"usage"' not in line:
-            return
-        try:
-            event = json.loads(line[5:])
-        except (ValueError, RecursionError):
-            return
-        usage = parse_usage(event.get("usage")) if isinstance(event, dict) else None
-        if usage is not None:
-            self._usage = usage
-
-    def result(self) -> Usage | None:
-        if self._streaming:
-            if self._buffer:  # a last event without a trailing newline
-                self._scan_line(bytes(self._buffer).strip())
-                self._buffer.clear()
-            return self._usage
-        if self._overflow or not self._buffer:
-            return None
-        try:
-            document = json.loads(bytes(self._buffer))
-        except (ValueError, RecursionError):
-            return None
-        return parse_usage(document.get("usage")) if isinstance(document, dict) else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Message helpers
-
-
-def decode_headers(header_map: Any) -> dict[str, str]:
-    """Envoy's ``HeaderMap`` as a dict (keys lower-case, repeated headers joined by commas).
-    Envoy sends values in ``raw_value`` (bytes); older versions used ``value``."""
-    headers: dict[str, str] = {}
-    for header in header_map.headers:
-        value = (
-            header.raw_value.decode("utf-8", errors="replace") if header.raw_value else header.value
-        )
-        key = header.key.lower()
-        headers[key] = f"{headers[key]},{value}" if key in headers else value
-    return headers
-
-
-def lb_metadata(metadata_context: Any) -> dict[str, str]:
-    """The string fields of the ``envoy.lb`` namespace (the gateway's load-balancing
-    metadata, where it reports the endpoint that served)."""
-    namespace = metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
-    if namespace is None:
-        return {}
-    return {
-        key: value.string_value
-        for key, value in namespace.fields.items()
-        if value.WhichOneof("kind") == "string_value"
-    }
-
-
-def subset_hint(metadata_context: Any) -> frozenset[str] | None:
-    """IPs of the proxy's subset hint, None when there is no hint.  The hint lists
-    ``ip:port`` (or bare IPs); matching is by IP only, as in the Inference Extension."""
-    namespace = metadata_context.filter_metadata.get(SUBSET_HINT_NAMESPACE)
-    if namespace is None or SUBSET_HINT_KEY not in namespace.fields:
-        return None
-    value = namespace.fields[SUBSET_HINT_KEY]
-    kind = value.WhichOneof("kind")
-    if kind == "list_value":
-        entries = [v.string_value for v in value.list_value.values if v.string_value]
-    elif kind == "string_value":
-        entries = [part for part in value.string_value.split(",") if part.strip()]
-    else:
-        entries = []
-    return frozenset(_ip_of(entry.strip()) for entry in entries)
-
-
-def _ip_of(address: str) -> str:
-    if address.startswith("["):  # [v6]:port or [v6]
-        return address[1:].split("]", 1)[0]
-    if address.count(":") == 1:  # v4:port
-        return address.rsplit(":", 1)[0]
-    return address  # bare v4 or bare v6
-
-
-def _set_header(key: str, value: str) -> Any:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-
-
-def streamed_body_responses(body: bytes, *, end_of_stream: bool, request: bool) -> list[Any]:
-    """``body`` as ``BodyResponse``s carrying ``streamed_response`` chunks of at most
-    `BODY_CHUNK_BYTES`; only the last carries ``end_of_stream``.  An empty body is one empty
-    chunk (Envoy still needs to see the end of stream)."""
-    pieces = [body[i : i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)]
-    pieces = pieces or [b""]
-    responses = []
-    for index, piece in enumerate(pieces):
-        last = index == len(pieces) - 1
-        body_response = ext_proc_pb2.BodyResponse(
-            response=ext_proc_pb2.CommonResponse(
-                body_mutation=ext_proc_pb2.BodyMutation(
-                    streamed_response=ext_proc_pb2.StreamedBodyResponse(
-                        body=piece, end_of_stream=end_of_stream and last
-                    )
-                )
-            )
-        )
-        if request:
-            responses.append(ext_proc_pb2.ProcessingResponse(request_body=body_response))
-        else:
-            responses.append(ext_proc_pb2.ProcessingResponse(response_body=body_response))
-    return responses
-
-
-def immediate_response(
-    status: int,
-    message: str,
-    request_id: str | None,
-    details: str,
-    extra_headers: Sequence[tuple[str, str]] = (),
-) -> Any:
-    """An ``ImmediateResponse`` (Envoy answers the client itself) with a plain-text body."""
-    set_headers = [_set_header("content-type", "text/plain; charset=utf-8")]
-    set_headers.extend(_set_header(key, value) for key, value in extra_headers)
-    if request_id:
-        set_headers.append(_set_header(REQUEST_ID_HEADER, request_id))
-    return ext_proc_pb2.ProcessingResponse(
-        immediate_response=ext_proc_pb2.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=ext_proc_pb2.HeaderMutation(set_headers=set_headers),
-            body=(message + "\n").encode(),
-            details=details,
-        )
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,17 +428,17 @@ class ExtProcStream:
         self.phase = Phase.ROUTED
 
     def _routing_mutation(self, decision: RoutingDecision, content_length: int | None) -> Any:
-        set_headers = [_set_header(DESTINATION_HEADER, decision.destination)]
+        set_headers = [set_header(DESTINATION_HEADER, decision.destination)]
         if content_length is not None:
-            set_headers.append(_set_header("content-length", str(content_length)))
+            set_headers.append(set_header("content-length", str(content_length)))
         if self._request_id_generated and self.request_id:
-            set_headers.append(_set_header(REQUEST_ID_HEADER, self.request_id))
+            set_headers.append(set_header(REQUEST_ID_HEADER, self.request_id))
         remove_headers = []
         for key, value in decision.request.set_headers.items():
             if value is None:
                 remove_headers.append(key)
             else:
-                set_headers.append(_set_header(key, value))
+                set_headers.append(set_header(key, value))
         return ext_proc_pb2.CommonResponse(
             header_mutation=ext_proc_pb2.HeaderMutation(
                 set_headers=set_headers, remove_headers=remove_headers
@@ -745,7 +547,7 @@ class ExtProcStream:
         stamped = request.data.pop(RESPONSE_HEADERS, None) if request is not None else None
         if stamped:
             reply.response.header_mutation.set_headers.extend(
-                _set_header(key, value) for key, value in stamped.items()
+                set_header(key, value) for key, value in stamped.items()
             )
         return [ext_proc_pb2.ProcessingResponse(response_headers=reply)]
 
@@ -829,95 +631,3 @@ def _details(exc: SchedulingError) -> str:
     name = type(exc).__name__.removesuffix("Error")
     snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
     return f"epp_{snake}"
-
-
-# ---------------------------------------------------------------------------------------------
-# gRPC edge
-
-
-class ExtProcServicer(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """grpcio adapter: one `ExtProcStream` per ``Process`` call."""
-
-    def __init__(self, router: Router, settings: ExtProcSettings | None = None) -> None:
-        self._router = router
-        self._settings = settings or ExtProcSettings()
-
-    async def Process(
-        self,
-        request_iterator: AsyncIterator[ProcessingRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[ProcessingResponse]:
-        stream = ExtProcStream(self._router, self._settings)
-        try:
-            async for message in request_iterator:
-                for response in await stream.handle(message):
-                    yield response
-        finally:
-            # Normal end, Envoy's reset after the response, or client cancellation.
-            stream.close()
-
-
-@dataclass(slots=True)
-class ExtProcServer:
-    """A running ext_proc gRPC server and the port it listens on."""
-
-    server: grpc.aio.Server
-    port: int
-
-    async def stop(self, grace: float | None = 5.0) -> None:
-        await self.server.stop(grace)
-        gc.unfreeze()  # what start froze may be garbage from now on
-
-
-def settle_heap() -> None:
-    """Collect once, then hide every object alive now from the cyclic garbage collector.
-
-    What exists when the EPP starts serving (modules, the transformers tokenizers, config,
-    compiled templates: about 93,000 tracked objects in `benchmarks.decision`) lives until it
-    exits, yet every full collection walks all of it while holding the GIL, stalling decisions
-    (28-80 ms per full collection measured at start-up).  ``gc.freeze`` moves them to a
-    generation that is never examined; objects made later are collected as usual.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-async def start_extproc_server(
-    router: Router,
-    *,
-    port: int,
-    host: str = "0.0.0.0",
-    settings: ExtProcSettings | None = None,
-    tls: grpc.ServerCredentials | None = None,
-    extra_services: Sequence[Callable[[grpc.aio.Server], None]] = (),
-) -> ExtProcServer:
-    """Start a ``grpc.aio`` server with the ext_proc service on ``host:port`` (``port=0``
-    picks a free port; the result says which).  ``tls``: server credentials for a secure
-    port (building them from certificate files is the caller's job); None listens in
-    plaintext.  ``extra_services``: functions registering more services on the same server
-    (health, reflection).  Everything alive once it listens is frozen out of the garbage
-    collector's full collections (`settle_heap`) until `ExtProcServer.stop`."""
-    settings = settings or ExtProcSettings()
-    # A BUFFERED body arrives in a single message: let gRPC accept the largest body we allow.
-    max_message = settings.max_body_bytes + 1024 * 1024
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", max_message),
-        ]
-    )
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router, settings), server)
-    for register in extra_services:
-        register(server)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, tls)
-        if tls is not None
-        else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise OSError(f"ext_proc server could not bind {address}")
-    await server.start()
-    settle_heap()
-    logger.info("ext_proc server listening on %s:%d", host, bound)
-    return ExtProcServer(server=server, port=bound)

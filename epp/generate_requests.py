@@ -29,7 +29,7 @@ SGLang (``sglang/srt/managers/io_struct.py``, ``GenerateReqInput``):
 The messages of the `GenerateError`s are upstream's (``invalid generate request: ...``), except
 where upstream prints Go's JSON decoder errors: those say the same thing in our words.
 
-Responses: vLLM's carry OpenAI's ``usage`` (read by `epp.extproc.UsageScanner`); SGLang's
+Responses: vLLM's carry OpenAI's ``usage`` (read by `epp.usage_scan.UsageScanner`); SGLang's
 put the counts in ``meta_info`` (`SGLangUsage`).
 """
 

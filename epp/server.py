@@ -44,7 +44,8 @@ from epp.discovery import Discovery
 from epp.discovery.kubernetes import KubernetesDiscovery
 from epp.discovery.pool import PoolRef, rank_port_clash, selector_pool
 from epp.discovery.static import StaticDiscovery
-from epp.extproc import ExtProcServer, ExtProcSettings, start_extproc_server
+from epp.extproc import ExtProcSettings
+from epp.extproc_server import ExtProcServer, start_extproc_server
 from epp.flow_control import FlowController, build_flow_controller
 from epp.gauges import GaugeSample
 from epp.health import HealthService, add_health_service

@@ -21,7 +21,8 @@ import scorers.attribute_reporter  # noqa: F401  (registers request-attribute-re
 from epp.config import ConfigError, build_scheduler, parse_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import ExtProcStream, start_extproc_server
+from epp.extproc import ExtProcStream
+from epp.extproc_server import start_extproc_server
 from epp.scheduler import Scheduler
 from scorers.attribute_reporter import RequestAttributeReporter
 from scorers.base import EndpointMetrics, PluginContext

@@ -15,7 +15,7 @@ from google.protobuf import struct_pb2
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import start_extproc_server
+from epp.extproc_server import start_extproc_server
 from scorers.base import PluginContext
 from tests.epp.test_extproc import (
     completion_body,

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from epp.envoy_bootstrap import EnvoyNotInstalledError, envoy_binary, render_envoy_config
-from epp.extproc import ExtProcServer, RoutingDecision, start_extproc_server
+from epp.extproc import RoutingDecision
+from epp.extproc_server import ExtProcServer, start_extproc_server
 from launcher.ports import reserve_port
 from scorers.base import AllEndpointsFilteredError, LLMRequest, NoReadyEndpointsError, Usage
 from tests.support.backends import Backend, ReceivedRequest, sse_chunks, start_backend

@@ -19,18 +19,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from epp.extproc import (
-    BODY_CHUNK_BYTES,
     BUFFERED,
     FULL_DUPLEX_STREAMED,
     STATUS_UNKNOWN,
     ExtProcSettings,
     ExtProcStream,
     RoutingDecision,
-    UsageScanner,
-    parse_usage,
-    start_extproc_server,
-    subset_hint,
 )
+from epp.extproc_messages import BODY_CHUNK_BYTES, subset_hint
+from epp.extproc_server import start_extproc_server
+from epp.usage_scan import UsageScanner, parse_usage
 from scorers.base import (
     AllEndpointsFilteredError,
     LLMRequest,

@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import start_extproc_server
+from epp.extproc_server import start_extproc_server
 from scorers.affinity import decode_session_token
 from scorers.base import EndpointMetrics, PluginContext
 from tests.epp.test_extproc import (

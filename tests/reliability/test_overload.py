@@ -27,7 +27,7 @@ from benchmarks.decision import one_decision
 from epp.config import build_scheduler, load_config
 from epp.datastore import Datastore, EndpointSpec
 from epp.director import Director
-from epp.extproc import start_extproc_server
+from epp.extproc_server import start_extproc_server
 from launcher.configs import weighted_config
 from launcher.stack import QUICK_PODS, Stack
 from launcher.traffic import Outcome, chat_body, send
