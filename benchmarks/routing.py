@@ -54,7 +54,7 @@ from simulator.profiles import ProfileError, get_profile
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_synthetic_trace.jsonl"
 QUICK_TRACE_SECONDS = 240.0
-WORKLOAD_KINDS = ("trace", "shared-prefix", "multi-turn", "no-reuse")
+WORKLOAD_KINDS = ("trace", "shared-prefix", "multi-turn", "no-reuse", "mixed")
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +148,11 @@ def _generator(args: argparse.Namespace, fleet: FleetSpec) -> Callable[[float], 
             system_prompt_len=args.system_prompt_len or 2000,
             output_len=args.output_len or 300,
             seed=seed,
+        )
+    if args.workload == "mixed":
+        document_len, long_len = workloads.mixed_sizes(fleet.pods * fleet.capacity)
+        return lambda rate: workloads.mixed(
+            rate=rate, duration=duration, document_len=document_len, long_len=long_len, seed=seed
         )
     return lambda rate: workloads.no_reuse(
         rate=rate, duration=duration, output_len=args.output_len or 250, seed=seed

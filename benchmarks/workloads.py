@@ -348,6 +348,52 @@ def no_reuse(
     )
 
 
+def mixed_sizes(fleet_tokens: int) -> tuple[int, int]:
+    """(document, long prompt) lengths of `mixed` for a fleet of ``fleet_tokens`` of KV: 9 %
+    and 11 % of it, as the real-fleet benchmark's ``mixed`` (`benchmarks.realfleet`)."""
+    return max(16, round(0.09 * fleet_tokens)), max(16, round(0.11 * fleet_tokens))
+
+
+def mixed(
+    *,
+    rate: float,
+    duration: float,
+    document_len: int,
+    long_len: int,
+    documents: int = 4,
+    short_len: int = 80,
+    question_len: int = 40,
+    seed: int = 0,
+) -> Workload:
+    """The real-fleet benchmark's ``mixed`` shape with Poisson arrivals: half short unique chats
+    (``short_len`` tokens, 16 out), 30 % questions (``question_len``, 16 out) over one of
+    ``documents`` shared documents, 20 % long unique prompts (``long_len``, 32 out).  The long
+    ones must not evict the documents from where they are cached."""
+    if min(document_len, long_len, documents, short_len, question_len) < 1:
+        raise WorkloadError("mixed: lengths and documents must be >= 1")
+    rng = random.Random(seed)
+    requests = []
+    for i, t in enumerate(_poisson_times(rate, duration, rng)):
+        roll = rng.random()
+        if roll < 0.5:
+            segments: tuple[tuple[int, int], ...] = ((_UNIQUE + i, short_len),)
+            out = 16
+        elif roll < 0.8:
+            doc = rng.randrange(documents)
+            segments = ((_SYSTEM + doc, document_len), (_USER + i, question_len))
+            out = 16
+        else:
+            segments = ((_UNIQUE + i, long_len),)
+            out = 32
+        requests.append(TraceRequest(f"r{i}", t, segments, out))
+    return Workload(
+        "mixed",
+        f"mixed: 50 % short unique ({short_len} tokens), 30 % questions over {documents} "
+        f"documents of {document_len}, 20 % long unique ({long_len}), {rate:g} req/s",
+        tuple(requests),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Block keys
 

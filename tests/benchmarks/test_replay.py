@@ -128,6 +128,20 @@ def test_generators_are_deterministic_and_shaped() -> None:
             assert later.segments[: len(earlier.segments)] == earlier.segments
     unique = workloads.no_reuse(rate=10, duration=5)
     assert len({r.segments for r in unique.requests}) == len(unique.requests)
+    assert workloads.mixed_sizes(12_288) == (1106, 1352)  # the real-fleet run's 3 × 4,096
+    mix = workloads.mixed(rate=50, duration=40, document_len=1000, long_len=1300, seed=3)
+    assert mix == workloads.mixed(rate=50, duration=40, document_len=1000, long_len=1300, seed=3)
+    kinds = {"short": 0, "document": 0, "long": 0}
+    for r in mix.requests:
+        if len(r.segments) == 2:  # a document, then its question
+            kinds["document"] += 1
+            assert r.segments[0][1] == 1000 and r.input_length == 1040
+        else:
+            kinds["short" if r.input_length == 80 else "long"] += 1
+            assert r.input_length in (80, 1300)
+    total = len(mix.requests)
+    assert abs(kinds["short"] / total - 0.5) < 0.05 and abs(kinds["long"] / total - 0.2) < 0.05
+    assert len({r.segments[0] for r in mix.requests if len(r.segments) == 2}) == 4
 
 
 def test_percentile_interpolates() -> None:
