@@ -10,7 +10,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
                       + queued_e + 3 (s / p) · in_flight_e
                       + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight)
-             · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ )
+             · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
            + F · (uncachedTokenWeight − 1) · ū · N · (share_e − min share)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
@@ -29,6 +29,12 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   rather than onto a pod already full while another has some (at start-up on real vLLM, one
   pod took six new 1,352-token system prompts into 4,064 tokens and thrashed for the rest of
   the run).
+* ``reused_e``: of what that write evicts at ``e`` (its least recently routed blocks, which vLLM
+  frees first), the tokens two or more requests came back for (`scorers.reuse_tail`): a
+  document its questions share, a system prompt.  Where every pod is full, every write evicts
+  as much, but not the same thing: a long one-off prompt then goes where it displaces other
+  one-off prompts rather than a document last asked about a while ago (docs/routing-results.md,
+  the mixed workload).
 * ``queued_e``: prefill work already routed to ``e`` that has not produced its first token.
 * ``s / p``: what one request in flight adds to every engine step, over what one token of
   prefill costs; both learned by `ServiceRates` from the requests this EPP routed.  A first
@@ -98,6 +104,7 @@ from scorers.request_data import (
     RESPONSE_TIMING,
     ResponseTiming,
 )
+from scorers.reuse_tail import ReuseTail
 from scorers.service_rates import Rates, ServiceRates
 from scorers.sessions import SessionTracker
 
@@ -167,7 +174,7 @@ class CostTerms(NamedTuple):
     prefill: float
     """Its uncached tokens' prefill and the delay they impose."""
     eviction: float
-    """The premium for copies that do not fit in its free room."""
+    """The premium for writes past its free room, and for reused content they would evict."""
     queued: float
     in_flight: float
     slowness: float
@@ -205,6 +212,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         super().__init__(name, params, context)
         self.rates = ServiceRates(memory=self.p.rateMemory)
         self.sessions = SessionTracker()
+        self.tail = ReuseTail()
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
@@ -260,13 +268,18 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         # (Without the fleet-wide fact every uncached token is taken for a copy.)
         new_tokens = 0 if computed is None else total - min(total, computed)
         unavoidable = min((max(0, new_tokens - room) for room in free.values()), default=0)
+        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
+        damage = self._reuse_damage(request, endpoints, keys, cached, free)
+        least_damage = min(damage.values(), default=0)
         costs: dict[str, CostTerms] = {}
         for endpoint in endpoints:
             address = endpoint.address
             held = cached.get(address, 0)
             uncached = max(0, total - held)
             load = endpoint.load
-            evicting = max(0, uncached - free[address]) - unavoidable
+            evicting = (
+                max(0, uncached - free[address]) - unavoidable + damage[address] - least_damage
+            )
             busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
             prefill = (1.0 + delay * busy) * uncached
@@ -283,6 +296,29 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 sessions=future * len(endpoints) * (shares[address] - least_share),
             )
         return costs
+
+    def _reuse_damage(
+        self,
+        request: LLMRequest,
+        endpoints: Sequence[Endpoint],
+        keys: list[int] | None,
+        cached: Mapping[str, int],
+        free: Mapping[str, int],
+    ) -> dict[str, int]:
+        """Per candidate, the tokens of reused content the request's write past its free room
+        would evict there (`scorers.reuse_tail`)."""
+        damage = dict.fromkeys((e.address for e in endpoints), 0)
+        if not keys:
+            return damage
+        block = max(1, request.prompt_tokens // len(keys))
+        own = set(keys)
+        for endpoint in endpoints:
+            address = endpoint.address
+            over = max(0, request.prompt_tokens - cached.get(address, 0) - free[address])
+            if over:
+                blocks = -(-over // block)
+                damage[address] = block * self.tail.reused_evicted(address, blocks, own)
+        return damage
 
     @staticmethod
     def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
@@ -357,6 +393,9 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         )
         keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         matched: Mapping[str, int] = request.data.get(PREFIX_MATCHED_BLOCKS) or {}
+        if keys:
+            blocks = endpoint.metrics.num_gpu_blocks
+            self.tail.observe(endpoint.address, keys, blocks - 1 if blocks else None)
         self.sessions.observe(
             keys,
             endpoint.address,
