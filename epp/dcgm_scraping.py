@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epp.config import EndpointPickerConfig
-from epp.endpoint_polling import EndpointPoller
+from epp.endpoint_polling import EndpointPoller, data_layer_wirings
 from scorers.gpu_metrics import DcgmDataSource, DcgmExtractError, DcgmExtractor
 
 
@@ -34,21 +34,8 @@ class DcgmWiring:
 def dcgm_wirings(
     config: EndpointPickerConfig, plugin: Callable[[str], object | None]
 ) -> list[DcgmWiring]:
-    """The DCGM sources of ``config``'s ``dataLayer`` with their extractors; ``plugin`` finds a
-    configured instance by name (`epp.scheduler.Scheduler.plugin`).  The configuration loader
-    has checked the references and types (`epp.config_sections.data_layer_problems`)."""
-    wirings = []
-    for entry in config.dataLayer.sources if config.dataLayer is not None else ():
-        source = plugin(entry.pluginRef)
-        if not isinstance(source, DcgmDataSource):
-            continue
-        extractors = tuple(
-            extractor
-            for ref in entry.extractors
-            if isinstance(extractor := plugin(ref.pluginRef), DcgmExtractor)
-        )
-        wirings.append(DcgmWiring(source, extractors))
-    return wirings
+    """The DCGM sources of ``config``'s ``dataLayer`` with their extractors."""
+    return data_layer_wirings(config, plugin, DcgmDataSource, DcgmExtractor, DcgmWiring)
 
 
 class DcgmScraper(EndpointPoller[DcgmWiring]):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 
+from epp.config import EndpointPickerConfig
 from epp.datastore import Datastore
 from scorers.base import Endpoint
 
@@ -37,6 +38,33 @@ class Wiring(Protocol):
 
 
 W = TypeVar("W", bound=Wiring)
+S = TypeVar("S")
+X = TypeVar("X")
+
+
+def data_layer_wirings(
+    config: EndpointPickerConfig,
+    plugin: Callable[[str], object | None],
+    source_type: type[S],
+    extractor_type: type[X],
+    wiring: Callable[[S, tuple[X, ...]], W],
+) -> list[W]:
+    """The ``dataLayer.sources`` entries of ``config`` whose source is a ``source_type``, each
+    with its extractors of ``extractor_type``, as ``wiring(source, extractors)``; ``plugin``
+    finds a configured instance by name (`epp.scheduler.Scheduler.plugin`).  The configuration
+    loader has checked the references and types (`epp.config_sections.data_layer_problems`)."""
+    found = []
+    for entry in config.dataLayer.sources if config.dataLayer is not None else ():
+        source = plugin(entry.pluginRef)
+        if not isinstance(source, source_type):
+            continue
+        extractors = tuple(
+            extractor
+            for ref in entry.extractors
+            if isinstance(extractor := plugin(ref.pluginRef), extractor_type)
+        )
+        found.append(wiring(source, extractors))
+    return found
 
 
 class FetchError(Exception):

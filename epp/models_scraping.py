@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from epp.config import EndpointPickerConfig
-from epp.endpoint_polling import EndpointPoller
+from epp.endpoint_polling import EndpointPoller, data_layer_wirings
 from scorers.models_data import ModelsDataExtractor, ModelsDataSource, ModelsExtractError
 
 
@@ -30,21 +30,8 @@ class ModelsWiring:
 def models_wirings(
     config: EndpointPickerConfig, plugin: Callable[[str], object | None]
 ) -> list[ModelsWiring]:
-    """The models sources of ``config``'s ``dataLayer`` with their extractors; ``plugin`` finds
-    a configured instance by name (`epp.scheduler.Scheduler.plugin`).  The loader has checked
-    the references and types (`epp.config_sections.data_layer_problems`)."""
-    wirings = []
-    for entry in config.dataLayer.sources if config.dataLayer is not None else ():
-        source = plugin(entry.pluginRef)
-        if not isinstance(source, ModelsDataSource):
-            continue
-        extractors = tuple(
-            extractor
-            for ref in entry.extractors
-            if isinstance(extractor := plugin(ref.pluginRef), ModelsDataExtractor)
-        )
-        wirings.append(ModelsWiring(source, extractors))
-    return wirings
+    """The models sources of ``config``'s ``dataLayer`` with their extractors."""
+    return data_layer_wirings(config, plugin, ModelsDataSource, ModelsDataExtractor, ModelsWiring)
 
 
 def metrics_host(metrics_url: str, address: str) -> str:

@@ -78,6 +78,7 @@ from scorers.base import (
     Usage,
     register,
 )
+from scorers.inflight_load import bind_in_flight_producer
 from scorers.request_data import (
     RESPONSE_TIMING,
     LatencyPredictionInfo,
@@ -92,7 +93,6 @@ logger = logging.getLogger(__name__)
 
 PRODUCER_TYPE: Final = "predicted-latency-producer"
 DEFAULT_PREFIX_PRODUCER: Final = "approx-prefix-cache-producer"
-IN_FLIGHT_PRODUCER_TYPE: Final = "inflight-load-producer"
 # The current header first, then its deprecated alias (llm-d-router pkg/epp/metadata).
 TTFT_SLO_HEADERS: Final = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 TPOT_SLO_HEADERS: Final = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
@@ -130,16 +130,6 @@ def prefix_score(info: PrefixMatchInfo | None, address: str) -> float:
     if info is None or info.total_blocks <= 0:
         return 0.0
     return info.weighted_blocks.get(address, 0.0) / info.total_blocks
-
-
-def check_in_flight_producer(plugin: Plugin[Any], name: str, plugins: Mapping[str, object]) -> None:
-    """``inFlightLoadProducerName`` must name a declared ``inflight-load-producer`` (whose
-    counts this EPP keeps built in, so any declared one reads the same)."""
-    if name and getattr(plugins.get(name), "type_name", None) != IN_FLIGHT_PRODUCER_TYPE:
-        raise PluginConfigError(
-            f"{plugin.type_name} {plugin.name!r}: parameters.inFlightLoadProducerName {name!r} "
-            f"names no declared {IN_FLIGHT_PRODUCER_TYPE}"
-        )
 
 
 class ProducerParameters(BaseModel):
@@ -299,7 +289,7 @@ class PredictedLatencyProducer(Plugin[ProducerParameters]):
             )
 
     def bind(self, plugins: Mapping[str, object]) -> None:
-        check_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
+        bind_in_flight_producer(self, self.p.inFlightLoadProducerName, plugins)
 
     # -- the request path --------------------------------------------------------------------
 

@@ -432,6 +432,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
     def endpoint_removed(self, endpoint: Endpoint) -> None:
         self.rates.forget(endpoint.address)
         self.sessions.forget(endpoint.address)
+        self.tail.forget(endpoint.address)
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
         rates = self.rates.rates()

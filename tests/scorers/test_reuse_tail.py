@@ -70,3 +70,13 @@ def test_a_one_off_goes_where_its_write_evicts_nothing_reused() -> None:
     # The premium (4 − 2 per token) for the 512 document tokens it would evict at a.
     assert terms["a"].eviction - terms["b"].eviction == 2 * 512
     assert max(scorer.score(one_off, [a, b]).items(), key=lambda kv: kv[1])[0] == "b"
+
+
+def test_a_pod_that_leaves_the_pool_leaves_nothing_in_the_tail() -> None:
+    scorer = make("prefill-cost-scorer")
+    a = pod("a")
+    for _ in range(2):
+        routed(scorer, a, [1, 2, 3])
+    assert scorer.tail.reused_evicted("a", 3) == 3
+    scorer.endpoint_removed(a)
+    assert scorer.tail.reused_evicted("a", 3) == 0
