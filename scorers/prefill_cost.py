@@ -12,7 +12,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
            + (uncachedTokenWeight − uncomputedTokenWeight)
              · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
            + F · (uncachedTokenWeight − 1) · ū · N · (share_e − min share)
-           + (uncomputedTokenWeight − 1) · total · (N · share_e − 1)⁺
+           + (uncomputedTokenWeight − 1) · uncached_e · (N · share_e − 1)⁺
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
   entries for requests just routed there).  Each costs its own prefill (1) and the delay it
@@ -56,11 +56,11 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   conversations start where fewer requests go, at the price of copying a shared system
   prompt; a conversation already cached stays where it is.
 * The last term: a pod taking more than its share of the requests (``share_e`` over an even
-  share ``1 / N``, as above) delays what runs there beyond what its requests in flight show,
-  so a request sent there pays the delay of its whole prompt (``total`` tokens) in proportion
-  to the excess.  Requests that gain little there (a short unique chat, a one-off prompt)
-  leave first; those whose prefix it holds stay.  Without it, a pod that looked cheaper by a
-  few tokens for every short chat took 1.3-1.5 × the mean on real vLLM (the mixed workload).
+  share ``1 / N``, as above) is busier than its requests in flight show, so the delay an
+  uncached token imposes there grows with the excess, as with ``busy_e``.  Requests that would
+  bring their whole prompt (a short unique chat, a one-off prompt) leave first; those whose
+  prefix it holds bring little and stay.  Without it, a pod that looked cheaper by a few tokens
+  for every short chat took 1.3-1.5 × the mean on real vLLM (the mixed workload).
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
@@ -303,7 +303,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 slowness=(slow.get(address, 1.0) - 1.0) * own_time,
                 kv_wait=kv_wait,
                 sessions=future * len(endpoints) * (shares[address] - least_share),
-                share=delay * total * max(0.0, len(endpoints) * shares[address] - 1.0),
+                share=delay * uncached * max(0.0, len(endpoints) * shares[address] - 1.0),
             )
         return costs
 
