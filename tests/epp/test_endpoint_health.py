@@ -284,13 +284,14 @@ async def test_a_loaded_machine_is_remembered_after_its_answers_turn_quick(pod: 
     slow answers earlier in the run, went silent for 3.5 s while busy.  The slowest answer is
     remembered for tens of seconds, not a few scrapes, so that silence is not taken for a hang."""
     pod.delay = 0.3
-    async with _watched(pod, timeout=10.0, unreachable_after=0.1) as (ds, scraper):
+    async with _watched(pod, timeout=10.0, unreachable_after=0.2) as (ds, scraper):
         await eventually(lambda: scraper.status[pod.address].successes >= 3, timeout=5)
         pod.delay = 0.0
         quick = scraper.status[pod.address].successes
         await eventually(lambda: scraper.status[pod.address].successes >= quick + 40, timeout=5)
         assert scraper.status[pod.address].slowest_recent >= 0.25
-        pod.delay = 1.2  # 12 periods of 0.1 s; fewer than 3 of 3 × the remembered 0.3 s
+        marks = ds.unreachable_marks_total  # (a loaded CI machine may mark it while warming up)
+        pod.delay = 1.2  # 6 periods of 0.2 s; fewer than 3 of 3 × the remembered 0.3 s
         await asyncio.sleep(1.0)  # (checked before the late answer makes it reachable)
         assert ds.is_reachable(pod.address)
-        assert ds.unreachable_marks_total == 0
+        assert ds.unreachable_marks_total == marks
