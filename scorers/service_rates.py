@@ -87,6 +87,11 @@ class Rates:
     samples: int
 
 
+def _work_bin(work: float) -> int:
+    """The bin of a request's prefill work: powers of two of tokens."""
+    return int(math.log2(work + 1.0))
+
+
 class _Bin:
     __slots__ = ("count", "quantile", "work")
 
@@ -149,8 +154,8 @@ class ServiceRates:
         # pods, whose first tokens are measured alike.
         self._pod_ratios: dict[str, _PodRatios] = {}
         self._log_ratio_var: float | None = None
-        # Per bin of work (as the prefill bins), the fleet's exponentially weighted mean log
-        # ratio: what a pod's ratios are measured against.
+        # Per bin of work (`_work_bin`), the fleet's exponentially weighted mean log ratio:
+        # what a pod's ratios are measured against.
         self._typical_ratio: dict[int, float] = {}
 
     def observe(
@@ -199,7 +204,7 @@ class ServiceRates:
                 ratio = min(_MAX_LOG_RATIO, max(-_MAX_LOG_RATIO, ratio))
                 # Against the fleet's typical ratio for requests of this size, so that what the
                 # model gets wrong about a size is not charged to the pods sent that size.
-                key = int(math.log2(work_tokens + 1.0))
+                key = _work_bin(work_tokens)
                 typical = self._typical_ratio.get(key, ratio)
                 self._typical_ratio[key] = typical + (ratio - typical) / _POD_MEMORY
                 ratio -= typical
@@ -220,7 +225,7 @@ class ServiceRates:
         return value if current is None else current + self._weight * (value - current)
 
     def _observe_prefill(self, work: float, ttft: float) -> None:
-        key = int(math.log2(work + 1.0))
+        key = _work_bin(work)
         decay = self._decay
         for b in self._bins.values():
             b.count *= decay
