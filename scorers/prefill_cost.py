@@ -425,6 +425,22 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         if first is None or finished is None:
             return
         work, in_flight = decision
+        if logger.isEnabledFor(logging.DEBUG):
+            # What the speeds are learned from, one line per request: enough to replay the
+            # estimator offline on a real fleet's log.
+            logger.debug(
+                "learn %s: endpoint %s work %d in_flight %d ttft %.6f decode %.6f output %s "
+                "running %s pool %s",
+                request.request_id,
+                endpoint,
+                work,
+                in_flight,
+                first - timing.routed_at,
+                finished - first,
+                usage.completion_tokens if usage is not None else None,
+                timing.running_while_decoding,
+                timing.pool_running_while_decoding,
+            )
         self.rates.observe(
             work_tokens=work,
             in_flight=in_flight,

