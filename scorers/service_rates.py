@@ -18,22 +18,24 @@ included, and how many requests were in flight there.  From those:
   token, a hundred times its real cost;
 * **steps**: a request's time per output token against the mean number of requests running
   on its pod while it decoded and on the whole pool meanwhile,
-  ``itl ≈ b + s · running + c · pool_running``, fitted through the same low quantile (an
-  online quantile regression: exponentially weighted least squares, each sample weighted by
-  how far it fell above or below the fit when it came).  ``s`` is what one running request
-  adds to every engine step of its pod, hence to a time to first token there too.  Through the
-  low quantile, not the mean: a request's time per token also holds the prefills of the
-  requests that arrived while it decoded (chunked into the same steps), which the cost already
-  charges as their prefill and the delay it imposes; on real vLLM-CPU the mean put 14-30 ms on
-  each running request and the price swung between runs of one workload from 237 to 3,256
-  tokens, while the 20th percentile gave 2.7-3.1 ms on all three workloads.  The pool's term is a control: pods that share a machine (CPU engines on one host,
-  GPUs behind one host's CPU) slow each other down, and without it that contention, which
-  rises with the whole pool's load, is charged to the pod's own batch, so a router would spread
-  requests to escape a slowdown that follows them everywhere.  On independent pods ``c`` is
-  about 0 and ``s`` is the same either way.  ``s`` times the mean number running is at most the
-  mean step: with a few clients over a few pods the two counts move nearly together, the fit
-  can split a step between them in any proportion, and once (real vLLM-CPU, 3 pods, 4
-  clients) it priced one running request at 190 ms against 11 ms steps;
+  ``itl ≈ b + s · running + c · pool_running``, fitted through the same low quantile: a
+  quantile regression over the last _STEP_WINDOW such requests, refitted every _STEP_REFIT
+  (least squares reweighted by how far each sample falls above or below the fit).  ``s`` is
+  what one running request adds to every engine step of its pod, hence to a time to first
+  token there too.  Through the low quantile, not the mean: a request's time per token also
+  holds the prefills of the requests that arrived while it decoded (chunked into the same
+  steps), which the cost already charges as their prefill and the delay it imposes.  On real
+  vLLM-CPU the mean put 11-30 ms on each running request and the price of one in flight swung
+  between runs of one workload from 237 to 3,256 tokens; the 20th percentile gives 2.5-3 ms in
+  every run (tests/data/vllm-cpu-step-samples.csv).  The pool's term is a control: pods that
+  share a machine (CPU engines on one host, GPUs behind one host's CPU) slow each other down,
+  and without it that contention, which rises with the whole pool's load, is charged to the
+  pod's own batch, so a router would spread requests to escape a slowdown that follows them
+  everywhere.  On independent pods ``c`` is about 0 and ``s`` is the same either way.  ``s``
+  times the mean number running is at most the mean step: with a few clients over a few pods
+  the two counts move nearly together, the fit can split a step between them in any
+  proportion, and once (real vLLM-CPU, 3 pods, 4 clients) it priced one running request at
+  190 ms against 11 ms steps;
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how many times slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
@@ -59,10 +61,22 @@ from dataclasses import dataclass
 _QUANTILE = 0.2
 _BIN_WINDOW = 32  # first tokens kept per bin of work: its quantile is theirs
 _MIN_BIN_SAMPLES = 4.0
+# The steps' quantile regression: the requests it is fitted on, how many new ones before it is
+# fitted again, and its reweighting passes (warm-started from the previous fit; the first fit
+# starts from least squares): 0.8 ms of Python per refit on the 2-core machine, 36 µs per
+# completed request in all.
+_STEP_WINDOW = 256
+_STEP_REFIT = 32
+_STEP_PASSES = 4
+_FIRST_STEP_PASSES = 12
 # The quantile regression weighs a sample by 1 / |its residual|: residuals below this share of
-# the typical time per token count as this much, so that a sample on the fit does not take all
+# the mean time per token count as this much, so that a sample on the fit does not take all
 # the weight.
 _RESIDUAL_FLOOR = 0.05
+# A request is in flight on its pod while it decodes, so the batch it ran in is at least 1;
+# the mean the director computes from two clock readings comes out a little below when the
+# answer arrived in one burst (a fraction of a millisecond of decode).
+_LEAST_RUNNING = 0.9
 _POD_MEMORY = 32  # requests: half-life of a pod's slowness
 # One first token can be far off the model (a stall, a timer): bound each sample's log ratio so
 # that one outlier moves a pod's slowness by at most e^(±2 / _POD_MEMORY).
@@ -164,13 +178,10 @@ class ServiceRates:
         self._line: tuple[float, float] | None = None  # (a, p)
         self._line_stale = True
         self._trusted = False
-        # itl = b + s · running + c · pool: exponentially weighted sums of the normal equations,
-        # x = (1, running, pool), each sample with its quantile weight w: xx[i][j] = Σ w x_i x_j,
-        # xy[i] = Σ w x_i · itl.
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
-        self._steps: tuple[float, float, float] | None = None  # (b, s, c): the current fit
-        self._itl_scale: float | None = None  # the typical time per token
+        # itl = b + s · running + c · pool: the recent (running, pool, itl) and the fit.
+        self._step_samples: deque[tuple[float, float, float]] = deque(maxlen=_STEP_WINDOW)
+        self._since_refit = 0
+        self._steps: tuple[float, float, float] | None = None  # (b, s, c)
         self._decode: float | None = None
         self._output: float | None = None
         # Per pod, exponentially weighted sums of the log ratios of observed over modelled
@@ -211,10 +222,10 @@ class ServiceRates:
         ):
             self._decode = self._ewma(self._decode, decode_s)
             self._output = self._ewma(self._output, float(output_tokens))
-            # A request alone on its pod ran in a batch of exactly 1, which the difference of
-            # two large in-flight integrals gives as 1 ± 1e-13: rounding must not drop it (it
-            # once dropped every request decoding alone, and ``s`` was fitted on the rest).
-            if running is not None and math.isfinite(running) and running >= 1.0 - 1e-6:
+            # A request alone on its pod ran in a batch of exactly 1, which the director's
+            # integrals can give as a little less: rounding must not drop it (it once dropped
+            # every request decoding alone, and ``s`` was fitted on the rest).
+            if running is not None and math.isfinite(running) and running >= _LEAST_RUNNING:
                 running = max(1.0, running)
                 pool = running
                 if pool_running is not None and math.isfinite(pool_running):
@@ -262,45 +273,64 @@ class ServiceRates:
         self._line_stale = True
 
     def _observe_steps(self, running: float, pool: float, itl: float) -> None:
-        scale = self._itl_scale = (
-            itl if self._itl_scale is None else self._ewma(self._itl_scale, itl)
-        )
-        weight = 1.0
-        if self._steps is not None:
-            # Online quantile regression: least squares weighted by τ / |r| above the fit and
-            # (1 − τ) / |r| below it minimizes the quantile's loss Σ τ r⁺ + (1 − τ) r⁻.
-            b, s, c = self._steps
-            residual = itl - (b + s * running + c * pool)
-            side = _QUANTILE if residual > 0 else 1.0 - _QUANTILE
-            weight = side / max(abs(residual), _RESIDUAL_FLOOR * scale, 1e-9)
-        d = self._decay
-        x = (1.0, running, pool)
-        for i in range(3):
-            row = self._xx[i]
-            for j in range(3):
-                row[j] = row[j] * d + weight * x[i] * x[j]
-            self._xy[i] = self._xy[i] * d + weight * x[i] * itl
-        self._steps = self._fit_steps()
+        self._step_samples.append((running, pool, itl))
+        self._since_refit += 1
+        if self._steps is None or self._since_refit >= _STEP_REFIT:
+            self._refit_steps()
 
     def _step_slope(self) -> float:
         """``s`` of the steps' regression (module docstring), 0 while it cannot be seen."""
         return 0.0 if self._steps is None else self._steps[1]
 
-    def _fit_steps(self) -> tuple[float, float, float] | None:
-        """(b, s, c) of the steps' regression, None before its first sample.  With one pod,
-        or a pool whose load never varied apart from the pod's, the pool's column is a copy of
-        the pod's and the fit falls back to the pod's count alone.  ``s`` is clamped to
-        [0, mean step / mean running] (below)."""
-        xx, xy = self._xx, self._xy
-        n = xx[0][0]
-        if n <= 0.0:
-            return None
-        m1, m2, my = xx[0][1] / n, xx[0][2] / n, xy[0] / n
-        c11 = xx[1][1] / n - m1 * m1
-        c22 = xx[2][2] / n - m2 * m2
-        c12 = xx[1][2] / n - m1 * m2
-        c1y = xy[1] / n - m1 * my
-        c2y = xy[2] / n - m2 * my
+    def _refit_steps(self) -> None:
+        """Quantile regression by iteratively reweighted least squares: weights τ / |r| for
+        samples above the fit and (1 − τ) / |r| below it make the weighted squares equal the
+        quantile's loss Σ τ r⁺ + (1 − τ) r⁻ at the fit, so each pass moves toward its minimum."""
+        self._since_refit = 0
+        samples = self._step_samples
+        fit = self._steps
+        mean_itl = math.fsum(x[2] for x in samples) / len(samples)
+        # The requests running on a pod cannot take more than the whole of its step: when the
+        # pod's and the pool's counts move nearly together (a few clients over a few pods) the
+        # fit can split the step between them in any proportion, and an unbounded slope would
+        # price one request in flight at many times a step.
+        most = mean_itl / max(1.0, math.fsum(x[0] for x in samples) / len(samples))
+        floor = max(_RESIDUAL_FLOOR * mean_itl, 1e-9)
+        for _ in range(_STEP_PASSES if fit is not None else _FIRST_STEP_PASSES + 1):
+            sums = [0.0] * 9
+            for running, pool, itl in samples:
+                weight = 1.0
+                if fit is not None:
+                    residual = itl - (fit[0] + fit[1] * running + fit[2] * pool)
+                    side = _QUANTILE if residual > 0 else 1.0 - _QUANTILE
+                    weight = side / max(abs(residual), floor)
+                wr, wp = weight * running, weight * pool
+                sums[0] += weight
+                sums[1] += wr
+                sums[2] += wp
+                sums[3] += weight * itl
+                sums[4] += wr * running
+                sums[5] += wp * pool
+                sums[6] += wr * pool
+                sums[7] += wr * itl
+                sums[8] += wp * itl
+            fit = self._solve_steps(sums, most)
+        self._steps = fit
+
+    @staticmethod
+    def _solve_steps(sums: list[float], most: float) -> tuple[float, float, float]:
+        """(b, s, c) of the weighted least squares whose sums are ``sums`` (Σw, Σw·running,
+        Σw·pool, Σw·itl, Σw·running², Σw·pool², Σw·running·pool, Σw·running·itl,
+        Σw·pool·itl).  With one pod, or a pool whose load never varied apart from the pod's,
+        the pool's column is a copy of the pod's and the fit falls back to the pod's count
+        alone.  ``s`` is clamped to [0, ``most``]."""
+        n = sums[0]
+        m1, m2, my = sums[1] / n, sums[2] / n, sums[3] / n
+        c11 = sums[4] / n - m1 * m1
+        c22 = sums[5] / n - m2 * m2
+        c12 = sums[6] / n - m1 * m2
+        c1y = sums[7] / n - m1 * my
+        c2y = sums[8] / n - m2 * my
         if c11 <= 1e-12 * max(1.0, m1 * m1):
             return (my, 0.0, 0.0)
         det = c11 * c22 - c12 * c12
@@ -309,11 +339,7 @@ class ServiceRates:
             pool = (c11 * c2y - c12 * c1y) / det
         else:
             slope, pool = c1y / c11, 0.0
-        # The requests running on a pod cannot take more than the whole of its step: when the
-        # pod's and the pool's counts move nearly together (a few clients over a few pods) the
-        # fit can split the step between them in any proportion, and an unbounded slope would
-        # price one request in flight at many times a step.
-        slope = max(0.0, min(slope, my / max(1.0, m1)))
+        slope = max(0.0, min(slope, most))
         return (my - slope * m1 - pool * m2, slope, pool)
 
     def _fit_line(self) -> tuple[float, float] | None:
