@@ -24,10 +24,11 @@ included, and how many requests were in flight there.  From those:
   what one running request adds to every engine step of its pod, hence to a time to first
   token there too.  Through the low quantile, not the mean: a request's time per token also
   holds the prefills of the requests that arrived while it decoded (chunked into the same
-  steps), which the cost already charges as their prefill and the delay it imposes.  On real
-  vLLM-CPU the mean put 11-30 ms on each running request and the price of one in flight swung
-  between runs of one workload from 237 to 3,256 tokens; the 20th percentile gives 2.5-3 ms in
-  every run (tests/data/vllm-cpu-step-samples.csv).  The pool's term is a control: pods that
+  steps), which the cost already charges as their prefill and the delay it imposes.  Answers
+  that reached the EPP in one burst are left out (_BURST_SHARE).  On real vLLM-CPU the mean
+  put 9-30 ms on each running request and the price of one in flight swung between runs of
+  one workload from 237 to 3,256 tokens; this fit gives 1-2.6 ms in every run
+  (tests/data/vllm-cpu-step-samples.csv), near the 1.1 ms a server measured alone adds.  The pool's term is a control: pods that
   share a machine (CPU engines on one host, GPUs behind one host's CPU) slow each other down,
   and without it that contention, which rises with the whole pool's load, is charged to the
   pod's own batch, so a router would spread requests to escape a slowdown that follows them
@@ -73,6 +74,13 @@ _FIRST_STEP_PASSES = 12
 # the mean time per token count as this much, so that a sample on the fit does not take all
 # the weight.
 _RESIDUAL_FLOOR = 0.05
+# A request whose time per token is under _BURST_SHARE of the _BURST_REFERENCE quantile of the
+# recent ones got its answer in one burst: on real vLLM-CPU most answers of a request alone did
+# (10 µs to 1 ms per token against steps of 3-10 ms), so that the low quantile was theirs and
+# the step price came out 0 in one run and 2.7 ms in the next.  Steps of a GPU pod vary with
+# its batch by a few times, never by ten.
+_BURST_SHARE = 0.1
+_BURST_REFERENCE = 0.75
 # A request is in flight on its pod while it decodes, so the batch it ran in is at least 1;
 # the mean the director computes from two clock readings comes out a little below when the
 # answer arrived in one burst (a fraction of a millisecond of decode).
@@ -287,7 +295,12 @@ class ServiceRates:
         samples above the fit and (1 − τ) / |r| below it make the weighted squares equal the
         quantile's loss Σ τ r⁺ + (1 − τ) r⁻ at the fit, so each pass moves toward its minimum."""
         self._since_refit = 0
-        samples = self._step_samples
+        # Answers that reached the EPP in one burst (the server's output queue coalesced their
+        # tokens) say nothing of the steps: their time per token is a small fraction of the
+        # rest's.
+        ordered = sorted(x[2] for x in self._step_samples)
+        least = _BURST_SHARE * ordered[int(_BURST_REFERENCE * len(ordered))]
+        samples = [x for x in self._step_samples if x[2] >= least]
         fit = self._steps
         mean_itl = math.fsum(x[2] for x in samples) / len(samples)
         # The requests running on a pod cannot take more than the whole of its step: when the
