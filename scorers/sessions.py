@@ -93,6 +93,14 @@ class SessionTracker:
         if len(tips) > _TIPS:
             tips.popitem(last=False)
 
+    def continues(self, keys: Sequence[int] | None) -> bool:
+        """Whether a prompt with block keys ``keys`` continues a conversation seen before (it
+        holds an earlier tip before its own last block)."""
+        if not keys:
+            return False
+        tips = self._tips
+        return any(key in tips for key in keys[:-1])
+
     @property
     def expected_followups(self) -> float:
         """Requests expected to follow a request on the pod that holds it: c / (1 − c)."""

@@ -17,6 +17,7 @@ from scorers.base import (
 )
 from scorers.request_data import (
     KV_CACHED_TOKENS,
+    PREFIX_BLOCK_KEYS,
     PREFIX_COMPUTED_TOKENS,
     PREFIX_MATCHED_TOKENS,
     RESPONSE_TIMING,
@@ -227,3 +228,27 @@ def test_removed_parameters_say_what_replaced_them() -> None:
         make("prefill-cost-scorer", {"uncachedTokenWeight": -1})
     with pytest.raises(PluginConfigError, match="must not exceed uncachedTokenWeight"):
         make("prefill-cost-scorer", {"uncachedTokenWeight": 2, "uncomputedTokenWeight": 3})
+
+
+def test_only_a_new_conversation_pays_for_the_turns_it_will_bring() -> None:
+    """A new conversation commits its later turns to the pod it lands on, so it avoids one
+    taking more than its share; a conversation already there continues there: moving it for
+    its later turns would copy it and leave the old copy crowding out others."""
+    scorer = make("prefill-cost-scorer")
+    for conversation in range(16):  # five-turn chats, three in four of them on "busy"
+        pod = "idle" if conversation % 4 == 0 else "busy"
+        for turn in range(1, 6):
+            keys = [1000 * conversation + block for block in range(4 * turn)]
+            scorer.sessions.observe(keys, pod, pods=2, uncached=64)
+    assert scorer.sessions.expected_followups > 2
+    pods = [ep("busy"), ep("idle")]
+    ongoing = prompt(400, {"busy": 384})
+    ongoing.data[PREFIX_BLOCK_KEYS] = [1000 * 15 + block for block in range(24)]
+    terms = scorer.cost_terms(ongoing, pods)
+    assert terms["busy"].sessions == 0 and terms["idle"].sessions == 0
+    assert best(scorer.score(ongoing, pods)) == "busy"
+    new = prompt(400)
+    new.data[PREFIX_BLOCK_KEYS] = [99_000 + block for block in range(24)]
+    terms = scorer.cost_terms(new, pods)
+    assert terms["busy"].sessions > 0 and terms["idle"].sessions == 0
+    assert best(scorer.score(new, pods)) == "idle"
