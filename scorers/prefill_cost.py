@@ -54,7 +54,9 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   beyond its own prefill (``uncachedTokenWeight − 1``: the delay it imposes and what it
   evicts) on a pod taking more than its share of the requests, hence of the cache's demand:
   conversations start where fewer requests go, at the price of copying a shared system
-  prompt; a conversation already cached stays where it is.
+  prompt.  Only a new conversation pays it (``F`` is 0 for a request that continues a known
+  one): a conversation already cached stays where it is, since moving it copies it and
+  leaves the old copy crowding out others.
 * The last term: a pod taking more than its share of the requests (``share_e`` over an even
   share ``1 / N``, as above) is busier than its requests in flight show, so the delay an
   uncached token imposes there grows with the excess, as with ``busy_e``.  Requests that would
