@@ -148,8 +148,9 @@ class PrefillCostParameters(BaseModel):
     (1) plus the delay it imposes on the requests queued behind it (1 at the mean, less on a
     quieter pod).  Range 1 (a request's own time only) to uncachedTokenWeight."""
     rateMemory: int = Field(default=300, ge=10, le=1_000_000)
-    """Half-life, in completed requests, of the learned speeds (`ServiceRates`): shorter
-    follows a changing fleet faster, longer is steadier."""
+    """Half-life, in completed requests, of the learned speeds (`ServiceRates`: the
+    prefill line's bins, decode time, answer length; the step price is fitted on the last 256
+    requests): shorter follows a changing fleet faster, longer is steadier."""
     smoothingTokens: float = Field(default=16.0, gt=0.0, le=1_000_000.0)
     """Added to every cost before the score's ratio (scores only; the cheapest pod is the
     cheapest whatever it is)."""

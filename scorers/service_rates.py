@@ -28,15 +28,15 @@ included, and how many requests were in flight there.  From those:
   that reached the EPP in one burst are left out (_BURST_SHARE).  On real vLLM-CPU the mean
   put 9-30 ms on each running request and the price of one in flight swung between runs of
   one workload from 237 to 3,256 tokens; this fit gives 1-2.6 ms in every run
-  (tests/data/vllm-cpu-step-samples.csv), near the 1.1 ms a server measured alone adds.  The pool's term is a control: pods that
-  share a machine (CPU engines on one host, GPUs behind one host's CPU) slow each other down,
-  and without it that contention, which rises with the whole pool's load, is charged to the
-  pod's own batch, so a router would spread requests to escape a slowdown that follows them
-  everywhere.  On independent pods ``c`` is about 0 and ``s`` is the same either way.  ``s``
-  times the mean number running is at most the mean step: with a few clients over a few pods
-  the two counts move nearly together, the fit can split a step between them in any
-  proportion, and once (real vLLM-CPU, 3 pods, 4 clients) it priced one running request at
-  190 ms against 11 ms steps;
+  (tests/data/vllm-cpu-step-samples.csv), near the 1.1 ms a server measured alone adds.
+  The pool's term is a control: pods that share a machine (CPU engines on one host, GPUs
+  behind one host's CPU) slow each other down, and without it that contention, which rises
+  with the whole pool's load, is charged to the pod's own batch, so a router would spread
+  requests to escape a slowdown that follows them everywhere.  On independent pods ``c`` is
+  about 0 and ``s`` is the same either way.  ``s`` times the mean number running is at most
+  the mean step: with a few clients over a few pods the two counts move nearly together, the
+  fit can split a step between them in any proportion, and once (real vLLM-CPU, 3 pods, 4
+  clients) it priced one running request at 190 ms against 11 ms steps;
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how many times slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
