@@ -270,13 +270,10 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         # moving it for the load its later turns bring copies it and leaves the old copy to
         # crowd out others (real vLLM-CPU, multi-turn: 8 of the default's 14 moves of a
         # conversation away from the pod holding most of it were for this term).
-        future = (
-            0.0
-            if self.sessions.continues(keys)
-            else self.sessions.expected_followups
-            * max(0.0, p.uncachedTokenWeight - 1.0)
-            * self.sessions.uncached
-        )
+        followups = self.sessions.expected_followups
+        if followups and self.sessions.continues(keys):
+            followups = 0.0  # (the tips are looked up only on a fleet that has sessions)
+        future = followups * max(0.0, p.uncachedTokenWeight - 1.0) * self.sessions.uncached
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
         least_share = min(shares.values(), default=0.0)
         free = {e.address: self._free_room(e, held_anything) for e in endpoints}
@@ -436,7 +433,8 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         work, in_flight = decision
         if logger.isEnabledFor(logging.DEBUG):
             # What the speeds are learned from, one line per request: enough to replay the
-            # estimator offline on a real fleet's log.
+            # estimator offline on a real fleet's log (tests/data/extract_step_samples.py
+            # parses this format).
             logger.debug(
                 "learn %s: endpoint %s work %d in_flight %d ttft %.6f decode %.6f output %s "
                 "running %s pool %s",
