@@ -11,7 +11,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
                       + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight)
              · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
-           + F · (uncachedTokenWeight − 1) · ū · N · (share_e − min share)
+           + F · (uncachedTokenWeight − 1) · ū · N · (demand_e − min demand)
            + (uncomputedTokenWeight − 1) · uncached_e · (N · share_e − 1)⁺
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
@@ -48,26 +48,32 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   pod holding the whole prompt stays the cheap choice unless it is many times slower.
 * ``F``: the follow-ups a request brings to the pod that gets it (`scorers.sessions`): learned
   from how many requests continue an earlier one (a chat turn resends the conversation), 0 on
-  a fleet of one-off prompts.  ``ū``: uncached tokens per routed request; ``share_e``: ``e``'s
-  recent share of the routed requests, over ``N`` pods.  A new conversation commits its later
-  turns to the pod it lands on, and the tokens each adds there cost what a copied token costs
-  beyond its own prefill (``uncachedTokenWeight − 1``: the delay it imposes and what it
-  evicts) on a pod taking more than its share of the requests, hence of the cache's demand:
-  conversations start where fewer requests go, at the price of copying a shared system
-  prompt.  Only a new conversation pays it (``F`` is 0 for a request that continues a known
+  a fleet of one-off prompts.  ``ū``: uncached tokens per routed request; ``demand_e``: ``e``'s
+  share of the cache its live conversations hold (`SessionTracker.footprint_shares`: the
+  tokens they wrote there, over its capacity), over ``N`` pods.  A new conversation commits its
+  later turns to the pod it lands on, and the tokens each adds there cost what a copied token
+  costs beyond its own prefill (``uncachedTokenWeight − 1``: the delay it imposes and what it
+  evicts) on a pod whose conversations already claim more of its cache: conversations start
+  where their cache has room, at the price of copying a shared system prompt.  (Request shares
+  were the proxy before: on real vLLM-CPU a pod taking no more requests than the others but
+  longer conversations evicted them, each conversation's next turn being its least recently
+  used.)  Only a new conversation pays it (``F`` is 0 for a request that continues a known
   one): a conversation already cached stays where it is, since moving it copies it and
   leaves the old copy crowding out others.
-* The last term: a pod taking more than its share of the requests (``share_e`` over an even
-  share ``1 / N``, as above) is busier than its requests in flight show, so the delay an
-  uncached token imposes there grows with the excess, as with ``busy_e``.  Requests that would
-  bring their whole prompt (a short unique chat, a one-off prompt) leave first; those whose
-  prefix it holds bring little and stay.  Without it, a pod that looked cheaper by a few tokens
-  for every short chat took 1.3-1.5 × the mean on real vLLM (the mixed workload).
+* The last term: a pod taking more than its share of the requests (``share_e``, its recent
+  share of the routed requests, over an even share ``1 / N``) is busier than its requests in
+  flight show, so the delay an uncached token imposes there grows with the excess, as with
+  ``busy_e``.  Requests that would bring their whole prompt (a short unique chat, a one-off
+  prompt) leave first; those whose prefix it holds bring little and stay.  Without it, a pod
+  that looked cheaper by a few tokens for every short chat took 1.3-1.5 × the mean on real
+  vLLM (the mixed workload).
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
-  the report fades as it ages (over one mean request duration), leaving this EPP's own count.
-  The request needs its uncached tokens plus a typical answer, give or take one request's
+  the report fades as it ages (over one mean request duration), leaving this EPP's own count:
+  the distinct blocks of the requests it routed there that are still running
+  (`scorers.active_kv`; a running request holds its whole prompt, cached or not).  The request
+  needs its blocks that none of them holds plus a typical answer, give or take one request's
   size: the expected overflow rises smoothly as the pod fills.  What overflows waits until
   enough running requests finish: its share of ``used_e`` times the mean decode time
   (learned).  A hot prefix stays on its pod until that pod's cache is full of running
@@ -95,6 +101,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from epp.gauges import GaugeSample
+from scorers.active_kv import ActiveBlocks
 from scorers.base import (
     Endpoint,
     LLMRequest,
@@ -191,7 +198,8 @@ class CostTerms(NamedTuple):
     """What the pod's slowness adds to its own terms (prefill, queued, in flight, KV wait)."""
     kv_wait: float
     sessions: float
-    """The follow-ups a new session would bring to a pod already taking more than its share."""
+    """The follow-ups a new session would bring to a pod whose cache its conversations
+    already claim more of."""
     share: float
     """The delay a pod taking more than its share of the requests imposes."""
 
@@ -206,6 +214,11 @@ def _capacity(endpoint: Endpoint) -> int | None:
     if not metrics.num_gpu_blocks or not metrics.block_size:
         return None
     return (metrics.num_gpu_blocks - 1) * metrics.block_size
+
+
+def _block_tokens(endpoint: Endpoint, prompt_tokens: int, keys: Sequence[int]) -> int:
+    """Tokens per block key: the pod's block size, or the prompt's while unknown."""
+    return endpoint.metrics.block_size or max(1, prompt_tokens // max(1, len(keys)))
 
 
 def _normal_pdf(z: float) -> float:
@@ -225,6 +238,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         self.rates = ServiceRates(memory=self.p.rateMemory)
         self.sessions = SessionTracker()
         self.tail = ReuseTail()
+        self.active = ActiveBlocks()
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
@@ -263,8 +277,8 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
         # A new session's later turns go where it goes: each adds its uncached tokens there,
         # which delay the requests there and evict what they displace (a copied token's price
-        # beyond its own prefill) in proportion to how much more than the least loaded pod's
-        # share of the requests, hence of the cache's demand, that pod takes.
+        # beyond its own prefill) in proportion to how much more of its cache that pod's live
+        # conversations claim than the least claimed pod's do.
         keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         # Only a new conversation is placed here: a continuing one is where its prefix is, and
         # moving it for the load its later turns bring copies it and leaves the old copy to
@@ -275,7 +289,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             followups = 0.0  # (the tips are looked up only on a fleet that has sessions)
         future = followups * max(0.0, p.uncachedTokenWeight - 1.0) * self.sessions.uncached
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
-        least_share = min(shares.values(), default=0.0)
+        demand = (
+            self.sessions.footprint_shares({e.address: _capacity(e) for e in endpoints})
+            if future
+            else dict.fromkeys(shares, 0.0)
+        )
+        least_demand = min(demand.values(), default=0.0)
         free = {e.address: self._free_room(e, held_anything) for e in endpoints}
         # Tokens no pod has computed (per the KV events) are written wherever the request goes:
         # what they must evict on the roomiest pod is no reason to prefer one pod.  Beyond that,
@@ -299,7 +318,9 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             queued = float(load.in_flight_prefill_tokens)
             prefill = (1.0 + delay * busy) * uncached
             running = per_request * load.in_flight_requests
-            kv_wait = self._kv_wait(endpoint, uncached, footprint, rates)
+            kv_wait = self._kv_wait(
+                endpoint, self._kv_need(endpoint, keys, total, uncached), footprint, rates
+            )
             own_time = prefill + queued + running + kv_wait
             costs[address] = CostTerms(
                 prefill=prefill,
@@ -308,7 +329,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 in_flight=running,
                 slowness=(slow.get(address, 1.0) - 1.0) * own_time,
                 kv_wait=kv_wait,
-                sessions=future * len(endpoints) * (shares[address] - least_share),
+                sessions=future * len(endpoints) * (demand[address] - least_demand),
                 share=delay * uncached * max(0.0, len(endpoints) * shares[address] - 1.0),
             )
         return costs
@@ -346,12 +367,25 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             return 0
         return max(0, capacity - held)
 
+    def _kv_need(
+        self, endpoint: Endpoint, keys: list[int] | None, total: int, uncached: int
+    ) -> int:
+        """Prompt tokens the request would newly hold on ``endpoint``: its blocks no request in
+        flight there holds (`scorers.active_kv`), or, without block keys, its uncached ones."""
+        if not keys:
+            return uncached
+        block = _block_tokens(endpoint, total, keys)
+        return max(
+            0, total - block * (len(keys) - self.active.missing_blocks(endpoint.address, keys))
+        )
+
     def _kv_wait(
-        self, endpoint: Endpoint, uncached: int, footprint: float, rates: Rates | None
+        self, endpoint: Endpoint, need: int, footprint: float, rates: Rates | None
     ) -> float:
         """Tokens-equivalent of waiting for KV room on ``endpoint`` (module docstring).
-        ``footprint``: the request's own prompt and answer, in tokens: what the KV use there
-        is uncertain by (one request more or less finishing or arriving)."""
+        ``need``: the prompt tokens the request would newly hold there (`_kv_need`);
+        ``footprint``: its own prompt and answer, in tokens: what the KV use there is uncertain
+        by (one request more or less finishing or arriving)."""
         capacity = _capacity(endpoint)
         if capacity is None:
             return 0.0
@@ -360,11 +394,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         age = endpoint.metrics_age
         fade = 0.0 if not math.isfinite(age) else math.exp(-age / duration) if duration else 1.0
         reported = metrics.kv_cache_usage * capacity * fade + load.kv_tokens_since_scrape
-        used = max(float(load.in_flight_kv_tokens), reported, 0.0)
+        held = self.active.held_tokens(endpoint.address, metrics.block_size or 1)
+        used = max(float(load.in_flight_kv_tokens), float(held), reported, 0.0)
         answer = rates.output_tokens or 0.0 if rates else 0.0
         # Expected overflow when the use is known to about one request's size: a normal
         # spread around the estimate, so the cost rises smoothly as the pod fills.
-        margin = used + uncached + answer - capacity
+        margin = used + need + answer - capacity
         spread = max(footprint, float(metrics.block_size or 1))
         z = margin / spread
         overflow = spread * _normal_pdf(z) + margin * _normal_cdf(z)
@@ -412,6 +447,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         if keys:
             blocks = endpoint.metrics.num_gpu_blocks
             self.tail.observe(endpoint.address, keys, blocks - 1 if blocks else None)
+            rates = self.rates.rates()
+            answer = round(rates.output_tokens or 0.0) if rates is not None else 0
+            partial = request.prompt_tokens - _block_tokens(
+                endpoint, request.prompt_tokens, keys
+            ) * len(keys)
+            self.active.start(request.request_id, endpoint.address, keys, partial + answer)
         self.sessions.observe(
             keys,
             endpoint.address,
@@ -423,6 +464,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         )
 
     def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
+        self.active.finish(request.request_id)
         decision: tuple[int, int] | None = request.data.get(_DECISION)
         timing: ResponseTiming | None = request.data.get(RESPONSE_TIMING)
         if decision is None or timing is None or not request.stream:
@@ -466,6 +508,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         self.rates.forget(endpoint.address)
         self.sessions.forget(endpoint.address)
         self.tail.forget(endpoint.address)
+        self.active.forget(endpoint.address)
 
     def telemetry_samples(self) -> Iterable[GaugeSample]:
         rates = self.rates.rates()

@@ -14,14 +14,22 @@ Exact repeats of a prompt are not continuations (their keys end at the earlier t
 counts once: reuse of a prefix is already priced by the prefix terms, only growth commits
 future load.
 
-It also keeps each pod's recent share of the routed requests (exponentially weighted), the load
-that placements committed: what a new session should avoid adding to.
+It also keeps what placements committed on each pod: its recent share of the routed requests
+(exponentially weighted), and the cache its live conversations hold there (`footprint`).  A
+conversation's footprint on a pod is the prompt tokens its turns wrote there (their uncached
+tokens; a turn that moved it starts over on the new pod), and it is live until its next turn
+continues it or it has gone unanswered for three times the usual distance between turns (in
+routed requests, so the same on any clock).  Clients usually take turns among their
+conversations, so a pod whose live conversations outgrow its cache evicts the least recently
+used one, which is the next to come back: a new conversation belongs where that demand is
+lowest, not merely where fewer requests go.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 # Tips remembered: enough for every conversation open at once on a large pool (a tip is 8 bytes
 # of key and a dict slot; 65,536 of them are ~6 MiB).  A continuation arrives after its
@@ -37,17 +45,32 @@ _MEMORY_PER_POD = 20
 # Until warm, the continuation fraction and uncached tokens are plain means with this many
 # requests that continued nothing and brought nothing counted in.
 _PRIOR = 10
+# A conversation not continued within this many times the mean distance between its turns (in
+# routed requests) has ended: its footprint no longer counts.
+
+_LIVE_DISTANCES = 3.0
+
+
+class _Tip(NamedTuple):
+    endpoint: str
+    written: int
+    """Prompt tokens the conversation's turns wrote on ``endpoint``."""
+    seq: int
+    """The routed request that left it."""
 
 
 class SessionTracker:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self._tips: OrderedDict[int, None] = OrderedDict()
+        # Ordered by seq (a tip is always added at the end): the oldest expire first.
+        self._tips: OrderedDict[int, _Tip] = OrderedDict()
         self._continued = 0.0
         self._observed = 0
         self._shares: dict[str, float] = {}
         self._uncached = 0.0
+        self._footprints: dict[str, int] = {}
+        self._distance: float | None = None  # mean routed requests between a tip and its turn
 
     def observe(
         self,
@@ -72,6 +95,7 @@ class SessionTracker:
         self._observed += 1
         mean = max(alpha, 1.0 / (self._observed + _PRIOR))
         self._uncached += mean * (uncached - self._uncached)
+        self._expire()
         if not keys:
             return
         tips = self._tips
@@ -79,19 +103,50 @@ class SessionTracker:
         # the next turn of a conversation extends it, and then that turn's own tip; a tip that
         # many prompts contain is a shared prefix's last block (a prompt whose own text ended
         # inside its first block after a system prompt), not a conversation.
-        continued = False
+        previous: _Tip | None = None
         for key in keys[:-1]:
-            if key in tips:
-                del tips[key]
-                continued = True
+            tip = tips.pop(key, None)
+            if tip is not None:
+                self._drop(tip)
+                if previous is None or tip.seq > previous.seq:
+                    previous = tip
+        continued = previous is not None
         self._continued += mean * (float(continued) - self._continued)
+        if previous is not None:
+            distance = float(self._observed - previous.seq)
+            self._distance = (
+                distance
+                if self._distance is None
+                else self._distance + mean * (distance - self._distance)
+            )
         if not new_tip:
             return
-        tip = keys[-1]
-        tips[tip] = None
-        tips.move_to_end(tip)
+        written = uncached
+        if previous is not None and previous.endpoint == endpoint:
+            written += previous.written
+        tip = _Tip(endpoint, written, self._observed)
+        tips[keys[-1]] = tip
+        tips.move_to_end(keys[-1])
+        self._footprints[endpoint] = self._footprints.get(endpoint, 0) + written
         if len(tips) > _TIPS:
-            tips.popitem(last=False)
+            self._drop(tips.popitem(last=False)[1])
+
+    def _drop(self, tip: _Tip) -> None:
+        left = self._footprints.get(tip.endpoint)
+        if left is not None:
+            self._footprints[tip.endpoint] = max(0, left - tip.written)
+
+    def _expire(self) -> None:
+        if self._distance is None:
+            return  # no conversation continued yet: none known to have ended
+        oldest = self._observed - _LIVE_DISTANCES * self._distance
+        tips = self._tips
+        while tips:
+            key, tip = next(iter(tips.items()))
+            if tip.seq >= oldest:
+                return
+            del tips[key]
+            self._drop(tip)
 
     def continues(self, keys: Sequence[int] | None) -> bool:
         """Whether a prompt with block keys ``keys`` continues a conversation seen before (it
@@ -116,5 +171,20 @@ class SessionTracker:
         """``endpoint``'s recent share of the routed requests (0 before any)."""
         return self._shares.get(endpoint, 0.0)
 
+    def footprint(self, endpoint: str) -> int:
+        """Prompt tokens ``endpoint``'s live conversations wrote there (module docstring)."""
+        return self._footprints.get(endpoint, 0)
+
+    def footprint_shares(self, capacities: Mapping[str, int | None]) -> dict[str, float]:
+        """Each pod's share of the live conversations' cache demand, each footprint over the
+        pod's capacity (all taken equal when one is unknown); all 0 before any."""
+        known = all(capacities.values())
+        load = {a: self.footprint(a) / (c if known and c else 1) for a, c in capacities.items()}
+        total = sum(load.values())
+        if total <= 0:
+            return dict.fromkeys(capacities, 0.0)
+        return {a: x / total for a, x in load.items()}
+
     def forget(self, endpoint: str) -> None:
         self._shares.pop(endpoint, None)
+        self._footprints.pop(endpoint, None)

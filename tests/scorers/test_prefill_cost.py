@@ -252,3 +252,38 @@ def test_only_a_new_conversation_pays_for_the_turns_it_will_bring() -> None:
     terms = scorer.cost_terms(new, pods)
     assert terms["busy"].sessions > 0 and terms["idle"].sessions == 0
     assert best(scorer.score(new, pods)) == "idle"
+
+
+def test_running_requests_hold_their_whole_prompts_shared_blocks_once() -> None:
+    """A running request references every block of its prompt, cached or not, so a pod whose
+    requests in flight hold most of its cache has no room for this one's prompt even where it
+    is cached; requests sharing its system prompt hold that prompt's blocks once, and with it
+    this request's."""
+    scorer = make("prefill-cost-scorer")
+    system = list(range(20))  # 320 tokens in 16-token blocks
+    pods = [ep("shared", in_flight=2, blocks=64), ep("other", in_flight=2, blocks=64)]
+    by_name = {pod.address: pod for pod in pods}
+    running = {
+        "s1": ("shared", [*system, 101, 102, 103, 104, 105]),
+        "s2": ("shared", [*system, 201, 202, 203, 204, 205]),
+        "o1": ("other", list(range(1000, 1025))),
+        "o2": ("other", list(range(2000, 2025))),
+    }
+    started = {}
+    for request_id, (pod, keys) in running.items():
+        started[request_id] = req = request(request_id, prompt=list(range(400)), stream=True)
+        req.data[PREFIX_BLOCK_KEYS] = keys
+        scorer.pre_request(req, result_for(by_name[pod]))
+    new = prompt(400, {"shared": 320, "other": 320})
+    new.data[PREFIX_BLOCK_KEYS] = [*system, 301, 302, 303, 304, 305]
+    terms = scorer.cost_terms(new, pods)
+    # 1,008 usable tokens each.  "shared": 30 distinct blocks held (480 tokens) and the new
+    # request needs 5 more; "other": 50 held (800) and it needs all 25.
+    assert terms["other"].kv_wait > 5 * terms["shared"].kv_wait > 0
+    assert best(scorer.score(new, pods)) == "shared"
+    # When they finish, their blocks are free to hold cached content again.
+    for request_id, req in started.items():
+        scorer.response_complete(req, running[request_id][0], Usage(400, 48))
+    assert scorer.active.in_flight() == 0
+    after = scorer.cost_terms(new, pods)
+    assert after["other"].kv_wait < terms["other"].kv_wait / 10

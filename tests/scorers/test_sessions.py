@@ -88,3 +88,33 @@ def test_a_prompt_ending_in_a_block_some_pod_holds_leaves_no_tip() -> None:
         tracker.observe(system, "a", pods=10, uncached=1, new_tip=False)  # held already
         tracker.observe([*system, 10_000 + question], "a", pods=10, uncached=1)
     assert tracker.expected_followups == 0.0
+
+
+def test_a_pods_footprint_is_what_its_live_conversations_wrote_there() -> None:
+    """A conversation's turns add their uncached tokens on the pod that holds it; a turn that
+    moves it starts over on the new pod; a conversation not continued for three times the
+    usual distance between turns has ended and no longer counts."""
+    tracker = SessionTracker()
+    # Two conversations take turns on "a" and "b": each turn writes 100 tokens.
+    first = _conversation(1, 4)
+    second = _conversation(2, 4)
+    for turn in range(3):
+        tracker.observe(first[turn], "a", pods=2, uncached=100)
+        tracker.observe(second[turn], "b", pods=2, uncached=100)
+    assert tracker.footprint("a") == 300
+    assert tracker.footprint("b") == 300
+    # The second moves to "a": the whole conversation is written there, "b" keeps nothing.
+    tracker.observe(second[3], "a", pods=2, uncached=450)
+    assert tracker.footprint("a") == 300 + 450
+    assert tracker.footprint("b") == 0
+    assert tracker.footprint_shares({"a": 1000, "b": 1000}) == {"a": 1.0, "b": 0.0}
+    # Relative to capacity: the same tokens claim more of a smaller cache.
+    tracker.observe(_conversation(3, 1)[0], "b", pods=2, uncached=375)
+    shares = tracker.footprint_shares({"a": 4000, "b": 1000})
+    assert shares["b"] == pytest.approx(2 * shares["a"])
+    # Turns came every 2 requests: after more than 6 requests without a turn they have ended.
+    for question in range(8):
+        tracker.observe([50_000 + question], "b", pods=2, uncached=1)
+    assert tracker.footprint("a") == 0
+    tracker.forget("b")
+    assert tracker.footprint("b") == 0
