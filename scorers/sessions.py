@@ -27,7 +27,8 @@ lowest, not merely where fewer requests go.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -57,14 +58,18 @@ class _Tip(NamedTuple):
     """Prompt tokens the conversation's turns wrote on ``endpoint``."""
     seq: int
     """The routed request that left it."""
+    live: bool = True
+    """Its ``written`` counts in the pod's footprint (not yet taken for ended)."""
 
 
 class SessionTracker:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        # Ordered by seq (a tip is always added at the end): the oldest expire first.
         self._tips: OrderedDict[int, _Tip] = OrderedDict()
+        # (seq, key) of the tips whose footprint counts, oldest first.  A tip taken for ended
+        # stays a tip: a turn after a long pause still continues its conversation.
+        self._live: deque[tuple[int, int]] = deque()
         self._continued = 0.0
         self._observed = 0
         self._shares: dict[str, float] = {}
@@ -127,26 +132,32 @@ class SessionTracker:
         tip = _Tip(endpoint, written, self._observed)
         tips[keys[-1]] = tip
         tips.move_to_end(keys[-1])
+        self._live.append((tip.seq, keys[-1]))
         self._footprints[endpoint] = self._footprints.get(endpoint, 0) + written
         if len(tips) > _TIPS:
             self._drop(tips.popitem(last=False)[1])
 
     def _drop(self, tip: _Tip) -> None:
+        """``tip``'s footprint no longer counts."""
         left = self._footprints.get(tip.endpoint)
-        if left is not None:
+        if tip.live and left is not None:
             self._footprints[tip.endpoint] = max(0, left - tip.written)
 
     def _expire(self) -> None:
-        if self._distance is None:
-            return  # no conversation continued yet: none known to have ended
-        oldest = self._observed - _LIVE_DISTANCES * self._distance
-        tips = self._tips
-        while tips:
-            key, tip = next(iter(tips.items()))
-            if tip.seq >= oldest:
-                return
-            del tips[key]
-            self._drop(tip)
+        """Conversations not continued for `_LIVE_DISTANCES` times the mean distance between
+        turns have ended: their footprints stop counting (they stay tips)."""
+        live, tips = self._live, self._tips
+        oldest = (
+            -math.inf
+            if self._distance is None  # no conversation continued yet: none known to have ended
+            else self._observed - _LIVE_DISTANCES * self._distance
+        )
+        while live and (live[0][0] < oldest or len(live) > _TIPS):
+            seq, key = live.popleft()
+            tip = tips.get(key)
+            if tip is not None and tip.seq == seq and tip.live:
+                self._drop(tip)
+                tips[key] = tip._replace(live=False)  # (an existing key keeps its place)
 
     def continues(self, keys: Sequence[int] | None) -> bool:
         """Whether a prompt with block keys ``keys`` continues a conversation seen before (it

@@ -116,5 +116,10 @@ def test_a_pods_footprint_is_what_its_live_conversations_wrote_there() -> None:
     for question in range(8):
         tracker.observe([50_000 + question], "b", pods=2, uncached=1)
     assert tracker.footprint("a") == 0
+    # A turn after a long pause still continues its conversation, which is whole again on
+    # the pod that kept it.
+    assert tracker.continues(first[3])
+    tracker.observe(first[3], "a", pods=2, uncached=100)
+    assert tracker.footprint("a") == 400
     tracker.forget("b")
     assert tracker.footprint("b") == 0
