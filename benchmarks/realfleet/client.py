@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ class Outcome:
     cached_tokens: int | None
     completion_tokens: int
     error: str = ""
+    request_id: str = ""
+    """The ``x-request-id`` it was sent with: the EPP's logs name the request by it."""
 
 
 async def _send(
@@ -47,15 +50,18 @@ async def _send(
         # Every router is judged on the same answer lengths.
         "ignore_eos": True,
     }
+    request_id = uuid.uuid4().hex
     started = time.monotonic()
     first: float | None = None
     text: list[str] = []
     usage: dict[str, object] = {}
     try:
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        async with session.post(
+            f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
+        ) as resp:
             if resp.status != 200:
                 detail = (await resp.text())[:300]
-                return _failed(client, request, started, resp.status, detail), None
+                return _failed(client, request, started, resp.status, detail, request_id), None
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -73,7 +79,8 @@ async def _send(
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
-        return _failed(client, request, started, 0, f"{type(exc).__name__}: {exc}"), None
+        failure = f"{type(exc).__name__}: {exc}"
+        return _failed(client, request, started, 0, failure, request_id), None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return (
@@ -87,6 +94,7 @@ async def _send(
             prompt_tokens=_count(usage.get("prompt_tokens")),
             cached_tokens=cached if isinstance(cached, int) else None,
             completion_tokens=_count(usage.get("completion_tokens")),
+            request_id=request_id,
         ),
         "".join(text),
     )
@@ -96,7 +104,9 @@ def _count(value: object) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _failed(client: int, request: Request, started: float, status: int, error: str) -> Outcome:
+def _failed(
+    client: int, request: Request, started: float, status: int, error: str, request_id: str
+) -> Outcome:
     return Outcome(
         client=client,
         kind=request.kind,
@@ -108,6 +118,7 @@ def _failed(client: int, request: Request, started: float, status: int, error: s
         cached_tokens=None,
         completion_tokens=0,
         error=error,
+        request_id=request_id,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.realfleet.__main__ import main
+from benchmarks.realfleet.explain import explain_run
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +25,7 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
             "--clients", "2",
             "--requests", "6",
             "--workdir", str(tmp_path / "work"),
+            "--epp-log-level", "debug",
             "--json", str(out),
             "--markdown", str(tmp_path / "out.md"),
         ]
@@ -51,3 +53,18 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == 3  # header and the two routers
     assert rows[1].startswith("| **epp:default** | ") and rows[2].startswith("| epp:round-robin")
+    # Every request the clients sent is found in the EPP's decision log by its x-request-id
+    # (through Envoy), and the engine's cached tokens split against what the index showed.
+    for router in ("epp-default", "epp-round-robin"):
+        explained = explain_run(tmp_path / "work" / f"shared-prompts--{router}")
+        assert explained is not None
+        assert explained.joined == 12 and explained.unmatched == 0
+        split = explained.overall
+        engine_share = split.engine / split.prompt_tokens
+        assert engine_share == pytest.approx(
+            results[router.replace("-", ":", 1)]["client_hit_rate"]
+        )
+        assert split.on_chosen <= split.best_at_decision <= split.prompt_tokens
+    # Only the default's prefill-cost scorer logs the requests in flight at each decision.
+    default = explain_run(tmp_path / "work" / "shared-prompts--epp-default")
+    assert default is not None and sum(s.requests for s in default.by_in_flight.values()) == 12
