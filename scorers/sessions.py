@@ -47,8 +47,7 @@ _MEMORY_PER_POD = 20
 # requests that continued nothing and brought nothing counted in.
 _PRIOR = 10
 # A conversation not continued within this many times the mean distance between its turns (in
-# routed requests) has ended: its footprint no longer counts.
-
+# routed requests) has ended: its footprint no longer counts (a later turn still continues it).
 _LIVE_DISTANCES = 3.0
 
 
