@@ -84,6 +84,8 @@ class RunResult:
     wall_seconds: float
     router_stats: RouterStats = field(default_factory=RouterStats)
     errors_sample: list[str] = field(default_factory=list)
+    repeat: int = 1
+    """Which of ``--repeats`` runs this is (each on fresh servers)."""
 
 
 def summarize(
@@ -121,13 +123,20 @@ def summarize(
 
 
 def run_one(
-    fleet: Fleet, router_name: str, workload_name: str, args: argparse.Namespace, workdir: Path
+    fleet: Fleet,
+    router_name: str,
+    workload_name: str,
+    args: argparse.Namespace,
+    workdir: Path,
+    repeat: int = 1,
 ) -> RunResult:
     workload = WORKLOADS[workload_name](fleet.shape)
     router = make_router(router_name)
     if isinstance(router, EppRouter):
         router.log_level = args.epp_log_level
     run_dir = workdir / f"{workload_name}--{router_name.replace(':', '-')}"
+    if args.repeats > 1:
+        run_dir = run_dir.with_name(f"{run_dir.name}--r{repeat}")
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     servers = fleet.start(run_dir)
@@ -148,9 +157,65 @@ def run_one(
     finally:
         fleet.stop()
     counters = [a.minus(b) for a, b in zip(after, before, strict=True)]
-    return summarize(
+    result = summarize(
         workload_name, router_name, outcomes, counters, stats, time.monotonic() - started
     )
+    result.repeat = repeat
+    return result
+
+
+def mean_results(results: Sequence[RunResult]) -> list[RunResult]:
+    """One result per router, in first-seen order: the mean of its repeated runs (hit rates,
+    TTFT percentiles, busiest over mean), requests per server and errors summed, unreachable
+    transitions summed; ``repeat`` is the number of runs."""
+    by_router: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_router.setdefault(r.router, []).append(r)
+    means = []
+    for router, runs in by_router.items():
+        n = len(runs)
+        transitions: dict[str, float] = {}
+        for r in runs:
+            for reason, count in r.router_stats.unreachable_transitions.items():
+                transitions[reason] = transitions.get(reason, 0.0) + count
+        decisions = [r.router_stats.decision_ms_mean for r in runs]
+        known = [d for d in decisions if d is not None]
+        means.append(
+            RunResult(
+                workload=runs[0].workload,
+                router=router,
+                requests=sum(r.requests for r in runs),
+                errors=sum(r.errors for r in runs),
+                hit_rate=sum(r.hit_rate for r in runs) / n,
+                client_hit_rate=sum(r.client_hit_rate for r in runs) / n,
+                ttft_ms_p50=sum(r.ttft_ms_p50 for r in runs) / n,
+                ttft_ms_p90=sum(r.ttft_ms_p90 for r in runs) / n,
+                ttft_ms_p99=sum(r.ttft_ms_p99 for r in runs) / n,
+                per_server=[sum(col) for col in zip(*(r.per_server for r in runs), strict=True)],
+                busiest_over_mean=sum(r.busiest_over_mean for r in runs) / n,
+                wall_seconds=sum(r.wall_seconds for r in runs),
+                router_stats=RouterStats(
+                    decision_ms_mean=sum(known) / len(known) if known else None,
+                    unreachable_transitions=transitions,
+                ),
+                errors_sample=[e for r in runs for e in r.errors_sample][:3],
+                repeat=n,
+            )
+        )
+    return means
+
+
+def format_ranges(results: Sequence[RunResult]) -> str:
+    """Per router: the mean hit rate and busiest over mean over its repeated runs, and the
+    range of its hit rates."""
+    lines = []
+    for mean in mean_results(results):
+        hits = [r.hit_rate for r in results if r.router == mean.router]
+        lines.append(
+            f"  {mean.router:<22} mean hit {mean.hit_rate:.1%} (runs {min(hits):.1%}-"
+            f"{max(hits):.1%}), busiest/mean {mean.busiest_over_mean:.2f} over {mean.repeat} runs"
+        )
+    return "\n".join(lines)
 
 
 def format_table(results: Sequence[RunResult]) -> str:
@@ -186,7 +251,10 @@ def format_markdown(report: dict[str, Any]) -> str:
             "| errors |",
             "|---|---:|---:|---:|---:|---:|---|---:|",
         ]
-        for r in workload["results"]:
+        rows = workload.get("means") or workload["results"]  # the means of repeated runs
+        if workload.get("means"):
+            lines[-4] += f" (means of {rows[0]['repeat']} runs each)"
+        for r in rows:
             name_cell = f"**{r['router']}**" if r["router"] == "epp:default" else r["router"]
             lines.append(
                 f"| {name_cell} | {r['hit_rate']:.1%} | {r['ttft_ms_p50']:.0f} | "
@@ -237,6 +305,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=60, help="requests per client")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every router on every workload, each on fresh servers, in rounds; the "
+        "verdict is on the means (single runs on a shared-core fleet differ by 1-14 points)",
+    )
+    parser.add_argument(
         "--fleet",
         choices=("vllm", "simulated"),
         default="vllm",
@@ -263,7 +338,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in args.workload_list:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    for flag in ("servers", "blocks", "clients", "requests"):
+    for flag in ("servers", "blocks", "clients", "requests", "repeats"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1")
     if (args.blocks - 1) * 32 < args.max_model_len:
@@ -306,16 +381,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = WORKLOADS[workload_name](fleet.shape)
         print(f"\n{workload_name}: {workload.description}", flush=True)
         results = []
-        for router_name in args.router_list:
-            result = run_one(fleet, router_name, workload_name, args, workdir)
-            results.append(result)
-            print(
-                f"  {router_name}: hit {result.hit_rate:.1%}, TTFT p90 {result.ttft_ms_p90:.0f} ms, "
-                f"split {'/'.join(map(str, result.per_server))}, {result.errors} errors "
-                f"({result.wall_seconds:.0f} s)",
-                flush=True,
-            )
+        # In rounds (every router once, then again), so that a drift of the machine over the
+        # run does not fall on one router's repeats.
+        for repeat in range(1, args.repeats + 1):
+            for router_name in args.router_list:
+                result = run_one(fleet, router_name, workload_name, args, workdir, repeat)
+                results.append(result)
+                print(
+                    f"  {router_name}: hit {result.hit_rate:.1%}, TTFT p90 "
+                    f"{result.ttft_ms_p90:.0f} ms, split {'/'.join(map(str, result.per_server))}, "
+                    f"{result.errors} errors ({result.wall_seconds:.0f} s)",
+                    flush=True,
+                )
         print(format_table(results))
+        judged = results if args.repeats == 1 else mean_results(results)
+        if args.repeats > 1:
+            print(format_ranges(results))
         for r in results:
             st = r.router_stats
             if st.scrape_ms_p50 is not None:
@@ -324,13 +405,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"≤ {st.scrape_ms_p99:g} ms (p99); unreachable transitions "
                     f"{st.unreachable_transitions or 0}"
                 )
-        line = verdict(results)
+        line = verdict(judged)
         if line:
             print(f"default: {line}")
         report["workloads"][workload_name] = {
             "description": workload.description,
             "parameters": workload.parameters,
             "results": [asdict(r) for r in results],
+            "means": [asdict(r) for r in judged] if args.repeats > 1 else [],
             "verdict": line,
         }
     report["wall_seconds"] = time.monotonic() - started

@@ -68,3 +68,41 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
     # Only the default's prefill-cost scorer logs the requests in flight at each decision.
     default = explain_run(tmp_path / "work" / "shared-prompts--epp-default")
     assert default is not None and sum(s.requests for s in default.by_in_flight.values()) == 12
+
+
+def test_repeated_runs_are_judged_on_their_means(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    code = main(
+        [
+            "--fleet", "simulated",
+            "--routers", "epp:default,epp:round-robin",
+            "--workloads", "shared-prompts",
+            "--clients", "2",
+            "--requests", "3",
+            "--repeats", "2",
+            "--workdir", str(tmp_path / "work"),
+            "--json", str(out),
+            "--markdown", str(tmp_path / "out.md"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    workload = json.loads(out.read_text())["workloads"]["shared-prompts"]
+    runs = workload["results"]
+    assert [(r["router"], r["repeat"]) for r in runs] == [
+        ("epp:default", 1), ("epp:round-robin", 1), ("epp:default", 2), ("epp:round-robin", 2)
+    ]  # fmt: skip
+    # Each run on its own fresh servers, in its own directory.
+    for router in ("epp-default", "epp-round-robin"):
+        for repeat in (1, 2):
+            assert (tmp_path / "work" / f"shared-prompts--{router}--r{repeat}").is_dir()
+    means = {m["router"]: m for m in workload["means"]}
+    for router, mean in means.items():
+        mine = [r for r in runs if r["router"] == router]
+        assert mean["repeat"] == 2 and mean["requests"] == 12
+        assert mean["hit_rate"] == pytest.approx(sum(r["hit_rate"] for r in mine) / 2)
+        first, second = (r["per_server"] for r in mine)
+        assert mean["per_server"] == [a + b for a, b in zip(first, second, strict=True)]
+    assert f"{means['epp:default']['hit_rate']:.1%}" in workload["verdict"]
+    table = (tmp_path / "out.md").read_text()
+    assert "(means of 2 runs each)" in table
+    assert sum(line.startswith("| epp:round-robin") for line in table.splitlines()) == 1
