@@ -59,9 +59,11 @@ class ActiveBlocks:
             return
         refs = self._refs.get(running.endpoint)
         if refs is not None:
-            refs.subtract(running.keys)
             for key in running.keys:
-                if refs.get(key, 0) <= 0:
+                left = refs.get(key, 0) - 1
+                if left > 0:
+                    refs[key] = left
+                else:
                     refs.pop(key, None)
         if running.endpoint in self._extra:
             self._extra[running.endpoint] = max(

@@ -210,11 +210,11 @@ def mean_results(results: Sequence[RunResult]) -> list[RunResult]:
     return means
 
 
-def format_ranges(results: Sequence[RunResult]) -> str:
-    """Per router: the mean hit rate and busiest over mean over its repeated runs, and the
-    range of its hit rates."""
+def format_ranges(results: Sequence[RunResult], means: Sequence[RunResult]) -> str:
+    """Per router: the mean hit rate and busiest over mean over its repeated runs (``means``,
+    from `mean_results`), and the range of its hit rates."""
     lines = []
-    for mean in mean_results(results):
+    for mean in means:
         hits = [r.hit_rate for r in results if r.router == mean.router]
         lines.append(
             f"  {mean.router:<22} mean hit {mean.hit_rate:.1%} (runs {min(hits):.1%}-"
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(results))
         judged = results if args.repeats == 1 else mean_results(results)
         if args.repeats > 1:
-            print(format_ranges(results))
+            print(format_ranges(results, judged))
         for r in results:
             st = r.router_stats
             if st.scrape_ms_p50 is not None:

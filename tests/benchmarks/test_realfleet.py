@@ -15,21 +15,26 @@ from benchmarks.realfleet.explain import explain_run
 pytestmark = pytest.mark.slow
 
 
-def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path: Path) -> None:
-    out = tmp_path / "out.json"
-    code = main(
+def run_default_and_round_robin(tmp_path: Path, *flags: str) -> int:
+    """The benchmark on simulated pods, shared prompts, two clients: the report in
+    ``tmp_path/out.json`` and ``out.md``, the runs' logs under ``tmp_path/work``."""
+    return main(
         [
             "--fleet", "simulated",
             "--routers", "epp:default,epp:round-robin",
             "--workloads", "shared-prompts",
             "--clients", "2",
-            "--requests", "6",
             "--workdir", str(tmp_path / "work"),
-            "--epp-log-level", "debug",
-            "--json", str(out),
+            "--json", str(tmp_path / "out.json"),
             "--markdown", str(tmp_path / "out.md"),
+            *flags,
         ]
     )  # fmt: skip
+
+
+def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    code = run_default_and_round_robin(tmp_path, "--requests", "6", "--epp-log-level", "debug")
     assert code == 0
     report = json.loads(out.read_text())
     assert report["fleet"] == {"kind": "simulated", "servers": 3, "capacity_tokens": 128 * 32}
@@ -72,19 +77,7 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
 
 def test_repeated_runs_are_judged_on_their_means(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    code = main(
-        [
-            "--fleet", "simulated",
-            "--routers", "epp:default,epp:round-robin",
-            "--workloads", "shared-prompts",
-            "--clients", "2",
-            "--requests", "3",
-            "--repeats", "2",
-            "--workdir", str(tmp_path / "work"),
-            "--json", str(out),
-            "--markdown", str(tmp_path / "out.md"),
-        ]
-    )  # fmt: skip
+    code = run_default_and_round_robin(tmp_path, "--requests", "3", "--repeats", "2")
     assert code == 0
     workload = json.loads(out.read_text())["workloads"]["shared-prompts"]
     runs = workload["results"]
