@@ -131,7 +131,7 @@ BOXES = [
     Box("metrics", RIGHT, 2, "outside", "vLLM pods: GET /metrics",
         ("vllm:num_requests_*, kv_cache_usage_perc,",
          "cache_config_info, lora_requests_info")),
-    Box("scraper", RIGHT, 3, "epp", "metrics scraping (every 50 ms)",
+    Box("scraper", RIGHT, 3, "epp", "metrics scraping (every 50-150 ms)",
         ("epp/scraping.py",
          "MetricsScraper → parse_vllm_metrics")),
     Box("zmq", RIGHT, 4, "outside", "vLLM pods: KV events over ZMQ",

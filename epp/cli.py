@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh-metrics-interval",
         type=duration,
         default=0.05,
-        help="how often each endpoint's /metrics is scraped (e.g. 50ms)",
+        help="the shortest time between two scrapes of an endpoint's /metrics (e.g. 50ms); "
+        "an endpoint whose answers are slow is scraped less often, down to every 150 ms",
     )
     m.add_argument(
         "--metrics-timeout",

@@ -107,6 +107,43 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+# The access log's fields, in order, separated by spaces: the request's id, then microseconds
+# between Envoy's timing points (DS: the client's side, US: the pod's; RX received, TX sent;
+# BEG first byte, END last).  "-" where a point was never reached (no upstream, say).
+ACCESS_LOG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("request_id", "%REQ(X-REQUEST-ID)%"),
+    ("status", "%RESPONSE_CODE%"),
+    # The client's request, first byte to last.
+    ("request_us", "%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)%"),
+    # First byte in to the request sent on to the pod: the EPP's headers and body round trips,
+    # its decision, and the connection to the pod.
+    ("to_pod_us", "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%"),
+    # Request sent to the pod until its response headers came back.
+    ("pod_headers_us", "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%"),
+    # The pod's response headers in until they went out to the client (the EPP's response
+    # headers round trip).
+    ("headers_out_us", "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%"),
+    # The pod's last byte in until the client's last byte out (the EPP's last body round trip).
+    ("tail_us", "%COMMON_DURATION(US_RX_END:DS_TX_END:us)%"),
+    ("total_us", "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%"),
+)
+
+
+def _timing_access_log(path: str) -> dict[str, Any]:
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path,
+            "log_format": {
+                "text_format_source": {
+                    "inline_string": " ".join(f for _, f in ACCESS_LOG_FIELDS) + "\n"
+                }
+            },
+        },
+    }
+
+
 def render_envoy_config(
     *,
     listen_port: int,
@@ -128,6 +165,7 @@ def render_envoy_config(
     extproc_endpoints: Sequence[tuple[str, int]] = (),
     extproc_health_check_interval_s: float | None = None,
     expose_upstream_host: bool = False,
+    access_log_path: str | None = None,
 ) -> str:
     """Render an Envoy bootstrap (YAML) that routes every request through the EPP.
 
@@ -158,6 +196,8 @@ def render_envoy_config(
     a replica unhealthy, one success healthy again).
     ``expose_upstream_host``: add ``x-upstream-host: <ip:port>`` to responses, the pod that
     served (tests and demos; it tells clients internal addresses).
+    ``access_log_path``: write one line per request there (`ACCESS_LOG_FIELDS`): its
+    ``x-request-id`` and where its time went between the client, the EPP and the pod.
     """
     if request_body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(
@@ -198,6 +238,11 @@ def render_envoy_config(
                             "@type": "type.googleapis.com/envoy.extensions.filters.network."
                             "http_connection_manager.v3.HttpConnectionManager",
                             "stat_prefix": "gateway",
+                            **(
+                                {"access_log": [_timing_access_log(access_log_path)]}
+                                if access_log_path is not None
+                                else {}
+                            ),
                             # Streamed LLM responses can be quiet for a long time between
                             # tokens (long prefill); the route timeouts below bound them.
                             "stream_idle_timeout": _seconds(route_timeout_s),

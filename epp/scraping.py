@@ -1,4 +1,5 @@
-"""Scraping vLLM's ``/metrics`` into `EndpointMetrics`, every 50 ms per endpoint.
+"""Scraping vLLM's ``/metrics`` into `EndpointMetrics`, every 50 ms per endpoint, less often
+when its answers are slow (`MetricsScraper.period`).
 
 The parser reads only the six series the EPP uses (docs/vllm-interop.md §6, vLLM 0.33):
 
@@ -72,6 +73,20 @@ DEFAULT_UNREACHABLE_AFTER = 1.0  # seconds without an answer or any other sign o
 # quick for 2 s, then it was silent for 3.5 s; docs/reliability.md).
 _SLOW_ANSWER_MARGIN = 3.0
 _SLOWEST_HALF_LIFE = 30.0
+# Scraping costs the pod: vLLM renders its ~50 kB page on the API server's event loop, the one
+# that streams every token (3 ms a page on an idle vLLM-CPU server).  Each endpoint is scraped
+# again after at least its recent answer time over _SCRAPE_SHARE, so this EPP holds at most that
+# share of the pod's time, and a pod slowed by load is asked less often rather than more: on
+# real vLLM-CPU, scraping three loaded servers 20 times a second put the median first token of
+# the mixed workload at 211-223 ms against 108-132 ms once a second (docs/routing-results.md).
+# Never longer than _STALE_SHARE of the datastore's staleness bound (200 ms by default: the
+# utilization detector's), so that pacing alone, with a slow answer on top, never makes a pod's
+# metrics count as stale; nor than _LONGEST_PERIOD without that bound.  A killed pod is still
+# found within a quarter of a second by default (its refused scrapes are retried at the interval).
+_SCRAPE_SHARE = 0.02
+_STALE_SHARE = 0.75
+_LONGEST_PERIOD = 0.5
+_ANSWER_TIME_WEIGHT = 0.5  # of each new answer in the recent answer time
 
 WAITING: Final = "vllm:num_requests_waiting"
 RUNNING: Final = "vllm:num_requests_running"
@@ -194,10 +209,12 @@ class ScrapeStatus:
     slowest_recent: float = 0.0  # slowest recent answer, decaying (see _SLOWEST_HALF_LIFE)
     slowest_at: float | None = None  # loop time slowest_recent was last brought up to date
     silent_periods: int = 0  # watchdog periods in a row without any sign of life
+    answer_time: float = 0.0  # recent answers' duration, weighted to the newest (seconds)
 
 
 class MetricsScraper:
-    """Scrapes every endpoint of a `Datastore` on its own task, every ``interval`` seconds.
+    """Scrapes every endpoint of a `Datastore` on its own task, every ``interval`` seconds or
+    more (`period`).
 
     It is an `EndpointListener`: `start` registers it (and starts a task per existing
     endpoint), endpoints added later get a task, removed ones lose theirs, `stop` cancels and
@@ -316,7 +333,18 @@ class MetricsScraper:
         while True:
             started = loop.time()
             await self.scrape_once(address)
-            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+            await asyncio.sleep(max(0.0, started + self.period(address) - loop.time()))
+
+    def period(self, address: str) -> float:
+        """Seconds from one scrape of ``address`` to the next: ``interval`` while its scrapes
+        are refused, otherwise longer when its answers are slow (``_SCRAPE_SHARE``), up to
+        ``_STALE_SHARE`` of the staleness bound."""
+        status = self.status.get(address)
+        if status is None or status.consecutive_refused:
+            return self.interval
+        stale = self.datastore.staleness_threshold
+        longest = _LONGEST_PERIOD if stale is None else _STALE_SHARE * stale
+        return max(self.interval, min(status.answer_time / _SCRAPE_SHARE, longest))
 
     async def scrape_once(self, address: str) -> bool:
         """Scrape one endpoint now; True if its metrics were updated.  Never raises (except
@@ -380,6 +408,7 @@ class MetricsScraper:
         slowest = max(duration, status.slowest_recent * 0.5 ** (since / _SLOWEST_HALF_LIFE))
         self._slowest_sum += slowest - status.slowest_recent
         status.slowest_recent = slowest
+        status.answer_time += _ANSWER_TIME_WEIGHT * (duration - status.answer_time)
         if self.on_duration is not None:
             self.on_duration(duration)
         self.datastore.saw_alive(address)

@@ -24,6 +24,9 @@ from launcher.stack import Stack
 from launcher.vllm import metric_values
 
 SGLANG_ROUTER = "sglang-router"
+# Envoy's access log in each EPP run's directory (`epp.envoy_bootstrap.ACCESS_LOG_FIELDS`): where
+# each request's time went between the client, the EPP and the server.
+ENVOY_ACCESS_LOG = "envoy-access.log"
 
 
 @dataclass
@@ -98,6 +101,7 @@ class EppRouter:
             config=fleet_config(self.config_yaml, fleet),
             extra_endpoints=[s.endpoint_entry() for s in servers],
             epp_log_level=self.log_level,
+            envoy_options={"access_log_path": str(workdir / ENVOY_ACCESS_LOG)},
             ready_timeout=120,
         )
         return self._stack.gateway

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.realfleet.__main__ import main
 from benchmarks.realfleet.explain import explain_run
+from benchmarks.realfleet.gateway_time import gateway_time
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +74,18 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
     # Only the default's prefill-cost scorer logs the requests in flight at each decision.
     default = explain_run(tmp_path / "work" / "shared-prompts--epp-default")
     assert default is not None and sum(s.requests for s in default.by_in_flight.values()) == 12
+    # Envoy's access log names every request: where its first token waited.
+    for router in ("epp-default", "epp-round-robin"):
+        timed = gateway_time(tmp_path / "work" / f"shared-prompts--{router}")
+        assert timed is not None and timed.joined == 12 and timed.unmatched == 0
+        ttft_p50 = timed.ms["client TTFT"][0]
+        assert ttft_p50 == pytest.approx(
+            results[router.replace("-", ":", 1)]["ttft_ms_p50"], rel=0.2
+        )
+        for column in ("before the pod", "pod headers", "headers out"):
+            p50, p90, p99 = timed.ms[column]
+            assert 0 < p50 <= p90 <= p99
+        assert timed.ms["before the pod"][0] < ttft_p50
 
 
 def test_repeated_runs_are_judged_on_their_means(tmp_path: Path) -> None:

@@ -288,10 +288,34 @@ async def test_a_loaded_machine_is_remembered_after_its_answers_turn_quick(pod: 
         await eventually(lambda: scraper.status[pod.address].successes >= 3, timeout=5)
         pod.delay = 0.0
         quick = scraper.status[pod.address].successes
-        await eventually(lambda: scraper.status[pod.address].successes >= quick + 40, timeout=5)
+        # (The slow answers paced the scrapes out to 0.5 s; the quick ones bring them back.)
+        await eventually(lambda: scraper.status[pod.address].successes >= quick + 40, timeout=10)
         assert scraper.status[pod.address].slowest_recent >= 0.25
         marks = ds.unreachable_marks_total  # (a loaded CI machine may mark it while warming up)
         pod.delay = 1.2  # 6 periods of 0.2 s; fewer than 3 of 3 × the remembered 0.3 s
         await asyncio.sleep(1.0)  # (checked before the late answer makes it reachable)
         assert ds.is_reachable(pod.address)
         assert ds.unreachable_marks_total == marks
+
+
+async def test_a_pod_answering_slowly_is_scraped_less_often_and_still_found_dead_at_once(
+    pod: FakeVllm,
+) -> None:
+    """A scrape costs the pod the time of its answer; slow answers space the scrapes out (at
+    most 150 ms apart: 3/4 of the 200 ms staleness bound), and a pod that refuses them is asked
+    again at the interval."""
+    pod.delay = 0.03  # 1.5 s at the 2 % share: held to 0.15 s
+    async with _watched(pod, timeout=5.0, unreachable_after=5.0) as (ds, scraper):
+        await eventually(lambda: scraper.status[pod.address].successes >= 3)
+        assert scraper.period(pod.address) == pytest.approx(0.15)
+        hits = pod.hits
+        await asyncio.sleep(1.2)
+        # At the 0.02 s interval (each answer taking 0.03 s) it would have been asked 24 times.
+        assert 5 <= pod.hits - hits <= 10
+        assert ds.get(pod.address) is not None and not ds.get(pod.address).metrics_stale
+        await pod.stop()
+        stopped = asyncio.get_running_loop().time()
+        await eventually(lambda: not ds.is_reachable(pod.address), timeout=3)
+        assert asyncio.get_running_loop().time() - stopped < 0.5
+        assert scraper.period(pod.address) == pytest.approx(0.02)
+        assert ds.unreachable_marks_total == 1
