@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-workers",
         type=positive_int,
         default=2,
-        help="threads for CPU-heavy request work (tokenizing long prompts)",
+        help="threads for CPU-heavy request work (tokenizing prompts past 16 KiB of body)",
     )
 
     add_flags(s, boolean)

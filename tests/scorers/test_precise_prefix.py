@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -348,3 +350,34 @@ def test_without_speculative_indexing_nothing_is_predicted() -> None:
     eps = _endpoints()
     _route(plugin, list(range(16)), eps, "r1")
     assert not plugin.view.predictions
+
+
+def test_short_prompts_are_tokenized_on_the_loop_long_ones_in_the_executor(
+    llama3_tokenizer_dir: Path,
+) -> None:
+    """Handing a short prompt to a worker thread costs more than its tokenizing: each hand-off
+    waits for the GIL and a core.  Only bodies past 16 KiB go to the executor."""
+    calls: list[str] = []
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            calls.append(getattr(fn, "__name__", "?"))
+            return super().submit(fn, *args, **kwargs)
+
+    executor = Recording(max_workers=1)
+    try:
+        context = PluginContext(endpoints=_Endpoints(_endpoints()), executor=executor)
+        params = {"blockSize": 16, "tokenizer": str(llama3_tokenizer_dir)}
+        plugin = create_plugin("precise-prefix-cache-scorer", "precise", params, context)
+        assert isinstance(plugin, PrecisePrefixCacheScorer)
+        short = _chat([{"role": "user", "content": "My router blinks red. " * 40}])
+        short.body_bytes = len(json.dumps(short.body))
+        long = _chat([{"role": "user", "content": "My router blinks red. " * 1000}])
+        long.body_bytes = len(json.dumps(long.body))
+        assert short.body_bytes < 16 * 1024 < long.body_bytes
+        for request in (short, long):
+            _score(plugin, request)
+            assert request.data[PREFIX_TOTAL_BLOCKS] == len(request.prompt_token_ids or []) // 16
+        assert len(calls) == 1  # the long one only
+    finally:
+        executor.shutdown()
