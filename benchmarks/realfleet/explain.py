@@ -28,8 +28,10 @@ import json
 import re
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks.realfleet.run_dirs import each_run, report
 
 _DECISION = re.compile(
     r"request (\S+) -> (\S+): (\d+) prompt tokens, cached tokens by endpoint (\{[^}]*\})"
@@ -155,25 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     results = []
-    for workdir in args.workdirs:
-        if not workdir.is_dir():
-            parser.error(f"{workdir} is not a directory")
-        runs = [workdir] if (workdir / "epp.log").is_file() else sorted(workdir.iterdir())
-        for run_dir in runs:
-            explained = explain_run(run_dir) if run_dir.is_dir() else None
-            if explained is not None:
-                results.append(explained)
-    if not results:
-        print(
-            "no run with an EPP debug log and outcomes (run benchmarks.realfleet with "
-            "--workdir and --epp-log-level debug)",
-            file=sys.stderr,
-        )
-        return 1
-    print(render(results))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return 0
+    for label, run_dir in each_run(parser, args.workdirs, "epp.log"):
+        explained = explain_run(run_dir)
+        if explained is not None:
+            explained.run = label
+            results.append(explained)
+    return report(
+        results,
+        render,
+        args.json_out,
+        "no run with an EPP debug log and outcomes (run benchmarks.realfleet with "
+        "--workdir and --epp-log-level debug)",
+    )
 
 
 if __name__ == "__main__":

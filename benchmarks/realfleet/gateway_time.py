@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.realfleet.routers import ENVOY_ACCESS_LOG
+from benchmarks.realfleet.run_dirs import each_run, report
 from epp.envoy_bootstrap import ACCESS_LOG_FIELDS
 
 _FIELDS = [name for name, _ in ACCESS_LOG_FIELDS]
@@ -117,27 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     results = []
-    for workdir in args.workdirs:
-        if not workdir.is_dir():
-            parser.error(f"{workdir} is not a directory")
-        runs = [workdir] if (workdir / ENVOY_ACCESS_LOG).is_file() else sorted(workdir.iterdir())
-        for run_dir in runs:
-            found = gateway_time(run_dir) if run_dir.is_dir() else None
-            if found is not None:
-                if run_dir != workdir:
-                    found.run = f"{workdir.name}/{run_dir.name}"
-                results.append(found)
-    if not results:
-        print(
-            f"no EPP run with {ENVOY_ACCESS_LOG} and outcomes (run benchmarks.realfleet with "
-            "--workdir)",
-            file=sys.stderr,
-        )
-        return 1
-    print(render(results))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return 0
+    for label, run_dir in each_run(parser, args.workdirs, ENVOY_ACCESS_LOG):
+        found = gateway_time(run_dir)
+        if found is not None:
+            found.run = label
+            results.append(found)
+    return report(
+        results,
+        render,
+        args.json_out,
+        f"no EPP run with {ENVOY_ACCESS_LOG} and outcomes (run benchmarks.realfleet with "
+        "--workdir)",
+    )
 
 
 if __name__ == "__main__":

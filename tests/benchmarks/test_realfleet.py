@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.realfleet import explain, gateway_time
 from benchmarks.realfleet.__main__ import main
 from benchmarks.realfleet.explain import explain_run
-from benchmarks.realfleet.gateway_time import gateway_time
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
     assert default is not None and sum(s.requests for s in default.by_in_flight.values()) == 12
     # Envoy's access log names every request: where its first token waited.
     for router in ("epp-default", "epp-round-robin"):
-        timed = gateway_time(tmp_path / "work" / f"shared-prompts--{router}")
+        timed = gateway_time.gateway_time(tmp_path / "work" / f"shared-prompts--{router}")
         assert timed is not None and timed.joined == 12 and timed.unmatched == 0
         ttft_p50 = timed.ms["client TTFT"][0]
         assert ttft_p50 == pytest.approx(
@@ -86,6 +86,12 @@ def test_two_routers_on_simulated_servers_report_engine_counted_results(tmp_path
             p50, p90, p99 = timed.ms[column]
             assert 0 < p50 <= p90 <= p99
         assert timed.ms["before the pod"][0] < ttft_p50
+    # Both read a whole work directory from the command line, a table per run.
+    for tool in (explain, gateway_time):
+        out_json = tmp_path / f"{tool.__name__}.json"
+        assert tool.main([str(tmp_path / "work"), "--json", str(out_json)]) == 0
+        runs = {r["run"] for r in json.loads(out_json.read_text())}
+        assert runs == {"work/shared-prompts--epp-default", "work/shared-prompts--epp-round-robin"}
 
 
 def test_repeated_runs_are_judged_on_their_means(tmp_path: Path) -> None:
