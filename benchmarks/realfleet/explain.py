@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.realfleet.run_dirs import each_run, report
+from benchmarks.realfleet.run_dirs import analyse_runs, report
 
 _DECISION = re.compile(
     r"request (\S+) -> (\S+): (\d+) prompt tokens, cached tokens by endpoint (\{[^}]*\})"
@@ -156,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdirs", nargs="+", type=Path)
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    results = []
-    for label, run_dir in each_run(parser, args.workdirs, "epp.log"):
-        explained = explain_run(run_dir)
-        if explained is not None:
-            explained.run = label
-            results.append(explained)
+    results = analyse_runs(parser, args.workdirs, "epp.log", explain_run)
     return report(
         results,
         render,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.realfleet.routers import ENVOY_ACCESS_LOG
-from benchmarks.realfleet.run_dirs import each_run, report
+from benchmarks.realfleet.run_dirs import analyse_runs, report
+from benchmarks.replay import percentile
 from epp.envoy_bootstrap import ACCESS_LOG_FIELDS
 
 _FIELDS = [name for name, _ in ACCESS_LOG_FIELDS]
@@ -37,7 +38,7 @@ _COLUMNS = {
     "pod_headers_us": "pod headers",
     "headers_out_us": "headers out",
 }
-_QUANTILES = (0.5, 0.9, 0.99)
+_PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -47,11 +48,6 @@ class GatewayTime:
     unmatched: int
     ms: dict[str, list[float]]
     """Per column (client TTFT first), its p50, p90 and p99 in milliseconds."""
-
-
-def _quantiles(values: list[float]) -> list[float]:
-    ordered = sorted(values)
-    return [ordered[round(q * (len(ordered) - 1))] for q in _QUANTILES]
 
 
 def _access_lines(path: Path) -> dict[str, dict[str, float]]:
@@ -92,7 +88,11 @@ def gateway_time(run_dir: Path) -> GatewayTime | None:
                 columns[column].append(durations[field] / 1000)
     if not joined:
         return None
-    ms = {column: _quantiles(values) for column, values in columns.items() if values}
+    ms = {
+        column: [percentile(values, q) for q in _PERCENTILES]
+        for column, values in columns.items()
+        if values
+    }
     return GatewayTime(run_dir.name, joined, unmatched, ms)
 
 
@@ -103,7 +103,7 @@ def render(results: list[GatewayTime]) -> str:
             f"{result.run}: {result.joined} requests joined"
             + (f", {result.unmatched} not joined" if result.unmatched else "")
         )
-        out.append(f"  {'ms':<16}" + "".join(f"{f'p{round(100 * q)}':>9}" for q in _QUANTILES))
+        out.append(f"  {'ms':<16}" + "".join(f"{f'p{q}':>9}" for q in _PERCENTILES))
         for column, values in result.ms.items():
             out.append(f"  {column:<16}" + "".join(f"{v:>9.1f}" for v in values))
     return "\n".join(out)
@@ -117,12 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdirs", nargs="+", type=Path)
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    results = []
-    for label, run_dir in each_run(parser, args.workdirs, ENVOY_ACCESS_LOG):
-        found = gateway_time(run_dir)
-        if found is not None:
-            found.run = label
-            results.append(found)
+    results = analyse_runs(parser, args.workdirs, ENVOY_ACCESS_LOG, gateway_time)
     return report(
         results,
         render,

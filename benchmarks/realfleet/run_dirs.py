@@ -5,28 +5,47 @@ of them, and prints a table per run."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+from benchmarks.reports import write_json
 
 
-def each_run(
-    parser: argparse.ArgumentParser, workdirs: Sequence[Path], marker: str
-) -> Iterator[tuple[str, Path]]:
-    """(label, run directory) for every run under ``workdirs``: a directory holding ``marker``
-    is a run itself, any other is a work directory of runs (labelled ``workdir/run``)."""
+class _Labelled(Protocol):
+    run: str
+
+
+R = TypeVar("R", bound=_Labelled)
+
+
+def analyse_runs(
+    parser: argparse.ArgumentParser,
+    workdirs: Sequence[Path],
+    marker: str,
+    analyse: Callable[[Path], R | None],
+) -> list[R]:
+    """``analyse`` of every run under ``workdirs`` that has something to say, each labelled
+    (``run``) by where it was found: a directory holding ``marker`` is a run itself, any other
+    is a work directory of runs (labelled ``workdir/run``)."""
+    results = []
     for workdir in workdirs:
         if not workdir.is_dir():
             parser.error(f"{workdir} is not a directory")
         if (workdir / marker).is_file():
-            yield workdir.name, workdir
-            continue
-        for run_dir in sorted(workdir.iterdir()):
-            if run_dir.is_dir():
-                yield f"{workdir.name}/{run_dir.name}", run_dir
+            runs = [(workdir.name, workdir)]
+        else:
+            runs = [
+                (f"{workdir.name}/{d.name}", d) for d in sorted(workdir.iterdir()) if d.is_dir()
+            ]
+        for label, run_dir in runs:
+            result = analyse(run_dir)
+            if result is not None:
+                result.run = label
+                results.append(result)
+    return results
 
 
 def report(
@@ -38,6 +57,5 @@ def report(
         print(missing, file=sys.stderr)
         return 1
     print(render(results))
-    if json_out is not None:
-        json_out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    write_json(json_out, [asdict(r) for r in results])
     return 0
