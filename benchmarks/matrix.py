@@ -40,10 +40,10 @@ import statistics
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks import workloads
 from benchmarks.oracle import oracle_hit_rate
@@ -53,6 +53,8 @@ from benchmarks.reports import command_line, write_json, write_markdown
 from benchmarks.routing import format_table
 from benchmarks.workloads import Workload
 from simulator.profiles import Profile, get_profile
+
+_N = TypeVar("_N", int, float)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO / "benchmarks" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -321,6 +323,16 @@ def markdown(items: Sequence[Verdict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _numbers(
+    parser: argparse.ArgumentParser, flag: str, text: str, kind: Callable[[str], _N]
+) -> list[_N]:
+    """A comma-separated list of numbers, or the parser's usage error naming ``flag``."""
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} takes comma-separated numbers, got {text!r}")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.matrix",
@@ -331,10 +343,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--pods", default="3,6,16")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default="0.5,0.7,0.9")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument(
+        "--seeds", default=None, help="comma-separated (default: 0,1; with --quick, 0)"
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--duration", type=float, default=240.0, help="seconds of arrivals")
-    parser.add_argument("--quick", action="store_true", help="60 s of arrivals, one seed")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of arrivals (default: 240; with --quick, 60)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="60 s of arrivals and one seed, unless --duration or --seeds says otherwise "
+        "(one seed flips cells within a point or two; --quick --seeds 0,1,2 judges on means)",
+    )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, default=None, dest="json_out")
@@ -360,20 +384,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [p for p in args.profile_list if p not in SHAPES]
     if unknown:
         parser.error(f"no workload shapes for profiles {unknown}; known: {', '.join(SHAPES)}")
-    args.pod_list = [int(x) for x in args.pods.split(",")]
+    args.pod_list = _numbers(parser, "--pods", args.pods, int)
     args.workload_list = [w.strip() for w in args.workloads.split(",")]
     bad = [w for w in args.workload_list if w not in WORKLOADS]
     if bad:
         parser.error(f"unknown workloads {bad}; known: {', '.join(WORKLOADS)}")
-    args.load_list = [float(x) for x in args.loads.split(",")]
-    args.seed_list = [int(x) for x in args.seeds.split(",")]
+    args.load_list = _numbers(parser, "--loads", args.loads, float)
+    if args.duration is None:
+        args.duration = 60.0 if args.quick else 240.0
+    if args.seeds is None:
+        args.seeds = "0" if args.quick else "0,1"
+    args.seed_list = _numbers(parser, "--seeds", args.seeds, int)
     args.policy_list = tuple(p.strip() for p in args.policies.split(","))
     bad = [p for p in args.policy_list if p not in POLICIES]
     if bad:
         parser.error(f"unknown policies {bad}; known: {', '.join(POLICIES)}")
-    if args.quick:
-        args.duration = 60.0
-        args.seed_list = args.seed_list[:1]
     if any(n < 1 for n in args.pod_list) or any(not x > 0 for x in args.load_list):
         parser.error("pods must be >= 1 and loads > 0")
     if not args.trace.exists() and "trace" in args.workload_list:

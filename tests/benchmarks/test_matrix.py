@@ -95,3 +95,22 @@ def test_a_small_grid_runs_and_a_second_run_reuses_all_but_the_default(tmp_path:
     for key, value in cell["policies"]["default"].items():
         if key != "wall_seconds":
             assert again["default"][key] == value, key
+
+
+def test_quick_sets_only_what_the_command_line_leaves_unset() -> None:
+    quick = matrix.parse_args(["--quick"])
+    assert (quick.duration, quick.seed_list) == (60.0, [0])
+    full = matrix.parse_args([])
+    assert (full.duration, full.seed_list) == (240.0, [0, 1])
+    # Explicit values are honoured, not silently cut back to one seed or 60 s.
+    seeded = matrix.parse_args(["--quick", "--seeds", "0,1,2"])
+    assert (seeded.duration, seeded.seed_list) == (60.0, [0, 1, 2])
+    shorter = matrix.parse_args(["--quick", "--duration", "30"])
+    assert (shorter.duration, shorter.seed_list) == (30.0, [0])
+
+
+def test_a_list_that_is_not_numbers_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        matrix.parse_args(["--seeds", "0,one"])
+    assert exit_info.value.code == 2
+    assert "--seeds takes comma-separated numbers, got '0,one'" in capsys.readouterr().err
