@@ -392,9 +392,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.load_list = _numbers(parser, "--loads", args.loads, float)
     if args.duration is None:
         args.duration = 60.0 if args.quick else 240.0
-    if args.seeds is None:
-        args.seeds = "0" if args.quick else "0,1"
-    args.seed_list = _numbers(parser, "--seeds", args.seeds, int)
+    seeds = args.seeds if args.seeds is not None else "0" if args.quick else "0,1"
+    args.seed_list = _numbers(parser, "--seeds", seeds, int)
     args.policy_list = tuple(p.strip() for p in args.policies.split(","))
     bad = [p for p in args.policy_list if p not in POLICIES]
     if bad:
