@@ -41,7 +41,9 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   prefill costs; both learned by `ServiceRates` from the requests this EPP routed.  A first
   token waits about 1.5 steps, and while it runs the request lengthens the steps of as many
   later arrivals (Little's law): 3 steps' worth in all.  A CPU pod's step grows ~1 ms per
-  sequence against ~10 µs per prefill token; an H100's ~0.2 ms against ~30 µs.
+  sequence against ~10 µs per prefill token; an H100's ~0.2 ms against ~30 µs.  ``s`` is
+  charged less two of its standard errors (at least 0): where the steps are too noisy to show
+  what one more request costs (pods sharing a few CPU cores), the rule stays with the cache.
 * ``slow_e``: how many times slower than that model ``e``'s recent first tokens were, against
   the fastest pod (slower hardware, a noisy neighbour): it scales the time ``e`` would take,
   not the eviction, which is paid by other requests later.  A factor rather than a price, so a
@@ -129,6 +131,10 @@ logger = logging.getLogger(__name__)
 # request.data key private to this plugin: (prefill work ahead incl. its own, requests in
 # flight) on the chosen endpoint at the decision, for learning when the response completes.
 _DECISION = "prefill-cost.decision"
+
+# Standard errors of the learned ``s`` taken off it before it is charged (as `ServiceRates`
+# does for a pod's slowness).
+_SHOWN_Z = 2.0
 
 # Parameters of the earlier formula, written in absolute tokens; kept here only to say what
 # replaced them when an old configuration still sets them.
@@ -263,7 +269,12 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             # own), each longer by s per running request; and the request, while it runs,
             # lengthens by s the steps of everyone who arrives there meanwhile: as many (Little's
             # law) as are running now.  Its own delay plus the one it imposes: 3 s per request.
-            per_request = 3.0 * rates.in_flight_s_per_request / per_token
+            # Only as much of ``s`` as the requests show beyond their noise: on three real
+            # vLLM-CPU servers sharing two cores it came out between 1.5 and 8 ms per request
+            # in runs of one workload, and the runs that charged the most moved the most
+            # document questions off the document's holder (docs/routing-results.md).
+            shown = max(0.0, rates.in_flight_s_per_request - _SHOWN_Z * rates.in_flight_s_error)
+            per_request = 3.0 * shown / per_token
             factors = {e.address: self.rates.slowness(e.address) for e in endpoints}
             fastest = min(factors.values(), default=1.0)
             slow = {a: f / fastest for a, f in factors.items()}

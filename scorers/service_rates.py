@@ -36,7 +36,10 @@ included, and how many requests were in flight there.  From those:
   about 0 and ``s`` is the same either way.  ``s`` times the mean number running is at most
   the mean step: with a few clients over a few pods the two counts move nearly together, the
   fit can split a step between them in any proportion, and once (real vLLM-CPU, 3 pods, 4
-  clients) it priced one running request at 190 ms against 11 ms steps;
+  clients) it priced one running request at 190 ms against 11 ms steps.  With ``s`` comes
+  its standard error, from the spread of the fits on four consecutive quarters of the window:
+  on pods sharing a few CPU cores the steps scatter with what the neighbours do, and runs of
+  one workload fitted 1.5 to 8 ms, each with an error to match;
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how many times slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _QUANTILE = 0.2
@@ -70,6 +74,10 @@ _STEP_WINDOW = 256
 _STEP_REFIT = 32
 _STEP_PASSES = 4
 _FIRST_STEP_PASSES = 12
+# The standard error of ``s`` is the spread of its fits on this many consecutive runs of the
+# window's samples, each fitted only once it holds _FOLD_SAMPLES of them.
+_STEP_FOLDS = 4
+_FOLD_SAMPLES = 16
 # The quantile regression weighs a sample by 1 / |its residual|: residuals below this share of
 # the mean time per token count as this much, so that a sample on the fit does not take all
 # the weight.
@@ -117,6 +125,8 @@ class Rates:
     """``a``: time to first token with nothing queued."""
     in_flight_s_per_request: float
     """``s``: what each request running on a pod adds to each engine step there."""
+    in_flight_s_error: float
+    """The standard error of ``s`` (infinite until enough requests decoded)."""
     decode_s: float | None
     """Mean time from first to last token of a request (None before any multi-token answer)."""
     output_tokens: float | None
@@ -190,6 +200,7 @@ class ServiceRates:
         self._step_samples: deque[tuple[float, float, float]] = deque(maxlen=_STEP_WINDOW)
         self._since_refit = 0
         self._steps: tuple[float, float, float] | None = None  # (b, s, c)
+        self._step_error = math.inf
         self._decode: float | None = None
         self._output: float | None = None
         # Per pod, exponentially weighted sums of the log ratios of observed over modelled
@@ -286,10 +297,6 @@ class ServiceRates:
         if self._steps is None or self._since_refit >= _STEP_REFIT:
             self._refit_steps()
 
-    def _step_slope(self) -> float:
-        """``s`` of the steps' regression (module docstring), 0 while it cannot be seen."""
-        return 0.0 if self._steps is None else self._steps[1]
-
     def _refit_steps(self) -> None:
         """Quantile regression by iteratively reweighted least squares: weights τ / |r| for
         samples above the fit and (1 − τ) / |r| below it make the weighted squares equal the
@@ -301,7 +308,6 @@ class ServiceRates:
         ordered = sorted(x[2] for x in self._step_samples)
         least = _BURST_SHARE * ordered[int(_BURST_REFERENCE * len(ordered))]
         samples = [x for x in self._step_samples if x[2] >= least]
-        fit = self._steps
         mean_itl = math.fsum(x[2] for x in samples) / len(samples)
         # The requests running on a pod cannot take more than the whole of its step: when the
         # pod's and the pool's counts move nearly together (a few clients over a few pods) the
@@ -309,34 +315,71 @@ class ServiceRates:
         # price one request in flight at many times a step.
         most = mean_itl / max(1.0, math.fsum(x[0] for x in samples) / len(samples))
         floor = max(_RESIDUAL_FLOOR * mean_itl, 1e-9)
-        for _ in range(_STEP_PASSES if fit is not None else _FIRST_STEP_PASSES + 1):
-            sums = [0.0] * 9
-            for running, pool, itl in samples:
-                weight = 1.0
-                if fit is not None:
-                    residual = itl - (fit[0] + fit[1] * running + fit[2] * pool)
-                    side = _QUANTILE if residual > 0 else 1.0 - _QUANTILE
-                    weight = side / max(abs(residual), floor)
-                wr, wp = weight * running, weight * pool
-                sums[0] += weight
-                sums[1] += wr
-                sums[2] += wp
-                sums[3] += weight * itl
-                sums[4] += wr * running
-                sums[5] += wp * pool
-                sums[6] += wr * pool
-                sums[7] += wr * itl
-                sums[8] += wp * itl
-            fit = self._solve_steps(sums, most)
+        # Warm-started from the previous fit; the first starts from least squares.
+        fit = self._solve_steps(self._step_sums(samples, self._steps, floor), 0.0, most)
+        for _ in range(_STEP_PASSES - 1 if self._steps is not None else _FIRST_STEP_PASSES):
+            fit = self._solve_steps(self._step_sums(samples, fit, floor), 0.0, most)
         self._steps = fit
+        self._step_error = self._slope_error(samples, fit, floor)
 
     @staticmethod
-    def _solve_steps(sums: list[float], most: float) -> tuple[float, float, float]:
+    def _step_sums(
+        samples: Sequence[tuple[float, float, float]],
+        fit: tuple[float, float, float] | None,
+        floor: float,
+    ) -> list[float]:
+        """One reweighting pass's sums (`_solve_steps`) about ``fit`` (equal weights without
+        one)."""
+        sums = [0.0] * 9
+        for running, pool, itl in samples:
+            weight = 1.0
+            if fit is not None:
+                residual = itl - (fit[0] + fit[1] * running + fit[2] * pool)
+                side = _QUANTILE if residual > 0 else 1.0 - _QUANTILE
+                weight = side / max(abs(residual), floor)
+            wr, wp = weight * running, weight * pool
+            sums[0] += weight
+            sums[1] += wr
+            sums[2] += wp
+            sums[3] += weight * itl
+            sums[4] += wr * running
+            sums[5] += wp * pool
+            sums[6] += wr * pool
+            sums[7] += wr * itl
+            sums[8] += wp * itl
+        return sums
+
+    def _slope_error(
+        self,
+        samples: Sequence[tuple[float, float, float]],
+        fit: tuple[float, float, float],
+        floor: float,
+    ) -> float:
+        """The standard error of ``s``: the spread of the slopes fitted on _STEP_FOLDS
+        consecutive runs of the samples, over the square root of their number.  Consecutive,
+        not interleaved, so that a slope that drifts over the window counts as uncertain too.
+        Infinite while the folds are too small to fit."""
+        size = len(samples) // _STEP_FOLDS
+        if size < _FOLD_SAMPLES:
+            return math.inf
+        slopes = []
+        for k in range(_STEP_FOLDS):
+            fold = samples[k * size : (k + 1) * size]
+            part = fit
+            for _ in range(_STEP_PASSES):
+                part = self._solve_steps(self._step_sums(fold, part, floor), -math.inf, math.inf)
+            slopes.append(part[1])
+        mean = math.fsum(slopes) / _STEP_FOLDS
+        spread = math.fsum((x - mean) ** 2 for x in slopes) / (_STEP_FOLDS - 1)
+        return math.sqrt(spread / _STEP_FOLDS)
+
+    @staticmethod
+    def _solve_steps(sums: list[float], least: float, most: float) -> tuple[float, float, float]:
         """(b, s, c) of the weighted least squares whose sums are ``sums`` (Σw, Σw·running,
         Σw·pool, Σw·itl, Σw·running², Σw·pool², Σw·running·pool, Σw·running·itl,
         Σw·pool·itl).  With one pod, or a pool whose load never varied apart from the pod's,
         the pool's column is a copy of the pod's and the fit falls back to the pod's count
-        alone.  ``s`` is clamped to [0, ``most``]."""
+        alone.  ``s`` is clamped to [``least``, ``most``]."""
         n = sums[0]
         m1, m2, my = sums[1] / n, sums[2] / n, sums[3] / n
         c11 = sums[4] / n - m1 * m1
@@ -352,7 +395,7 @@ class ServiceRates:
             pool = (c11 * c2y - c12 * c1y) / det
         else:
             slope, pool = c1y / c11, 0.0
-        slope = max(0.0, min(slope, most))
+        slope = max(least, min(slope, most))
         return (my - slope * m1 - pool * m2, slope, pool)
 
     def _fit_line(self) -> tuple[float, float] | None:
@@ -400,7 +443,8 @@ class ServiceRates:
         return Rates(
             prefill_s_per_token=per_token,
             fixed_s=max(0.0, fixed),
-            in_flight_s_per_request=self._step_slope(),
+            in_flight_s_per_request=0.0 if self._steps is None else self._steps[1],
+            in_flight_s_error=self._step_error,
             decode_s=self._decode,
             output_tokens=self._output,
             samples=self._samples,

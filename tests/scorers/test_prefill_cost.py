@@ -162,17 +162,23 @@ def test_without_prefix_information_it_is_least_work_routing() -> None:
 
 
 def _complete(
-    scorer: object, rng: random.Random, endpoint: Endpoint, work: int, slower: float = 1.0
+    scorer: object,
+    rng: random.Random,
+    endpoint: Endpoint,
+    work: int,
+    slower: float = 1.0,
+    step_noise: float = 1.0,
 ) -> None:
     """One request through the scorer's learning hooks, as the director drives them; on a pod
-    ``slower`` times slower than the model."""
+    ``slower`` times slower than the model, whose steps were ``step_noise`` times as long as
+    the model's while this request decoded."""
     req = prompt(work)
     req.request_id = f"r{rng.random()}"
     endpoint.load.in_flight_requests = rng.randint(0, 20)
     scorer.pre_request(req, result_for(endpoint))  # type: ignore[attr-defined]
     running = endpoint.load.in_flight_requests + 1
     ttft = (0.01 + 30e-6 * work + 5e-4 * running) * slower
-    itl = 0.008 + 5e-4 * running
+    itl = (0.008 + 5e-4 * running) * step_noise
     req.data[RESPONSE_TIMING] = ResponseTiming(
         routed_at=0.0,
         first_byte_at=ttft,
@@ -195,6 +201,26 @@ def test_in_flight_requests_cost_what_the_pods_measured() -> None:
     per_request = scorer.costs(prompt(100), [ep("x", in_flight=10)])["x"] - 4 * 100
     assert per_request == pytest.approx(10 * 3 * 5e-4 / rates.prefill_s_per_token, rel=0.01)
     assert 30 * 10 < per_request < 80 * 10
+
+
+def test_in_flight_requests_cost_only_what_their_noisy_steps_show() -> None:
+    """Steps that scatter by episodes (a machine shared with busy neighbours) leave ``s``
+    uncertain: the in-flight price takes two standard errors off it."""
+    scorer = make("prefill-cost-scorer")
+    rng = random.Random(1)
+    learner = ep("learner")
+    for i in range(300):
+        if i % 16 == 0:
+            episode = rng.lognormvariate(0.0, 0.8)
+        _complete(scorer, rng, learner, rng.choice((100, 500, 2000, 6000)), step_noise=episode)
+    rates = scorer.rates.rates()
+    assert rates is not None
+    s, error = rates.in_flight_s_per_request, rates.in_flight_s_error
+    assert 0 < error < math.inf and s > 0
+    per_request = scorer.costs(prompt(100), [ep("x", in_flight=10)])["x"] - 4 * 100
+    shown = max(0.0, s - 2 * error)
+    assert per_request == pytest.approx(10 * 3 * shown / rates.prefill_s_per_token, abs=1e-6)
+    assert per_request < 0.8 * 10 * 3 * s / rates.prefill_s_per_token
 
 
 def test_a_slow_pod_gets_less_new_work_but_keeps_the_prompts_it_holds() -> None:

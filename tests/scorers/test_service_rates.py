@@ -308,3 +308,53 @@ def test_on_real_vllm_cpu_steps_the_price_of_a_running_request_is_steady() -> No
             assert learned is not None
             seen.append(learned.in_flight_s_per_request)
     assert min(seen) > 0.9e-3 and max(seen) < 3e-3
+
+
+def _feed_episodes(rates: ServiceRates, rng: random.Random, n: int, own_s: float) -> None:
+    """One pod whose steps rise by ``own_s`` per running request, seen through episodes of 16
+    requests that each share a batch size and a slowdown of the whole machine (a neighbour's
+    burst): by chance, some episodes of large batches are slow ones."""
+    for i in range(n):
+        if i % 16 == 0:
+            batch, slowdown = rng.randint(1, 4), rng.lognormvariate(0.0, 0.5)
+        running = batch + rng.uniform(-0.3, 0.3)
+        itl = (0.005 + own_s * running) * slowdown * rng.uniform(1.0, 1.2)
+        work = rng.choice((100, 3000))
+        rates.observe(
+            work_tokens=work,
+            in_flight=batch - 1,
+            ttft_s=0.02 + 30e-6 * work,
+            decode_s=itl * 31,
+            output_tokens=32,
+            running=running,
+            pool_running=running,
+        )
+
+
+def test_the_step_price_comes_with_its_standard_error() -> None:
+    """The error is unknown (infinite) until each of the four consecutive folds of the window
+    holds enough requests to fit; then it is the folds' spread.  Steps that rise clearly with
+    the batch show a price well beyond it; steps that do not rise at all, seen through a
+    machine's slow and fast episodes, tilt the fit by chance, but show no price beyond two
+    errors."""
+    early = ServiceRates()
+    _feed_episodes(early, random.Random(20), 40, own_s=1e-3)
+    learned = early.rates()
+    assert learned is not None and learned.in_flight_s_error == float("inf")
+
+    clear = ServiceRates()
+    _feed_episodes(clear, random.Random(21), 600, own_s=5e-3)
+    learned = clear.rates()
+    assert learned is not None
+    assert 0 < 2 * learned.in_flight_s_error < learned.in_flight_s_per_request
+
+    tilted, shown = 0, 0
+    for seed in range(10):
+        flat = ServiceRates()
+        _feed_episodes(flat, random.Random(30 + seed), 600, own_s=0.0)
+        learned = flat.rates()
+        assert learned is not None
+        tilted += learned.in_flight_s_per_request > 0
+        shown += learned.in_flight_s_per_request > 2 * learned.in_flight_s_error
+    assert tilted >= 3  # what the error is for
+    assert shown <= 1
