@@ -130,7 +130,7 @@ class Endpoint:
     labels: Mapping[str, str] = field(default_factory=dict)
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     load: EndpointLoad = field(default_factory=EndpointLoad)
-    metrics_stale: bool = False  # stale metrics count as saturated (see epp.datastore)
+    metrics_stale: bool = False  # older than the saturation bound (see epp.datastore)
     metrics_age: float = math.inf  # seconds since the last good scrape (inf: never scraped)
     # Where the pod publishes vLLM KV events (ZMQ PUB) and serves replay (ROUTER), when known
     # from discovery; plugins that subscribe fall back to their own configured ports.
@@ -139,6 +139,12 @@ class Endpoint:
     # Data-parallel rank within its pod (0 for a pod with one target port): in central mode a
     # rank's events arrive on the EPP's port + rank under the pod's one topic.
     rank: int = 0
+
+    @property
+    def metrics_unknown(self) -> bool:
+        """No scrape of the pod has succeeded yet: upstream's metrics "not updated", which its
+        load scorers leave unscored.  Metrics that are merely old still describe the pod."""
+        return self.metrics_stale and self.metrics.updated_at is None
 
     @property
     def ip(self) -> str:

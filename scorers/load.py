@@ -6,9 +6,13 @@ Two sources of load:
   requests, KV-cache usage), refreshed by the scraper and possibly stale;
 * what the EPP itself routed and has not seen finish (``Endpoint.load``), always current.
 
-Stale metrics count as saturated (the Inference Extension's utilization detector does the same:
-"Endpoints with missing or stale metrics are aggressively scored as 100% saturated"): a scorer
-reading scraped metrics gives a stale endpoint 0, the score of the most loaded endpoint.
+A scorer reading scraped metrics leaves an endpoint that was never scraped unscored (0, and out of
+the min and max), and scores one whose metrics are old on its last ones, as llm-d-router's
+scorers do (they skip only metrics never written).  Old is not full: a busy pod answers its
+``/metrics`` late, and scoring it 0 once its last answer was 200 ms old sent the follow-up of a
+prompt it held to another server on a loaded machine (issue 14, "busy is not dead").  The
+Inference Extension's utilization detector, which does count stale metrics as saturated, is
+admission's business (`epp.admission`), not a scorer's.
 """
 
 from __future__ import annotations
@@ -39,28 +43,25 @@ DEFAULT_TOKEN_QUEUE_THRESHOLD: Final = 4_194_304  # upstream's: 128 requests of 
 def inverse_min_max(
     endpoints: Sequence[Endpoint], load: Callable[[Endpoint], float]
 ) -> dict[str, float]:
-    """``(max - x) / (max - min)`` over the fresh endpoints; all equal → 1.0; stale → 0.0.
-
-    Stale endpoints score 0 without taking part in the min and max, so one stale endpoint does
-    not squash the spread between the fresh ones (and is still ranked below all of them when
-    the fresh ones are equal)."""
+    """``(max - x) / (max - min)`` over the endpoints with metrics; all equal → 1.0; never
+    scraped → 0.0, without taking part in the min and max (upstream leaves it unscored)."""
     scores: dict[str, float] = {}
-    fresh: list[tuple[str, float]] = []
+    known: list[tuple[str, float]] = []
     for endpoint in endpoints:
-        if endpoint.metrics_stale:
+        if endpoint.metrics_unknown:
             scores[endpoint.address] = 0.0
         else:
-            fresh.append((endpoint.address, load(endpoint)))
-    if not fresh:
+            known.append((endpoint.address, load(endpoint)))
+    if not known:
         return scores
-    low = min(value for _, value in fresh)
-    high = max(value for _, value in fresh)
+    low = min(value for _, value in known)
+    high = max(value for _, value in known)
     if high == low:
-        for address, _ in fresh:
+        for address, _ in known:
             scores[address] = 1.0
         return scores
     span = high - low
-    for address, value in fresh:
+    for address, value in known:
         scores[address] = (high - value) / span
     return scores
 
@@ -85,12 +86,12 @@ class RunningRequestsSizeScorer(Plugin[NoParameters]):
 
 @register("kv-cache-utilization-scorer")
 class KVCacheUtilizationScorer(Plugin[NoParameters]):
-    """Most free KV cache: ``1 - kv_cache_usage`` (usage clamped to [0, 1]); stale → 0."""
+    """Most free KV cache: ``1 - kv_cache_usage`` (usage clamped to [0, 1]); never scraped → 0."""
 
     def score(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         return {
             e.address: 0.0
-            if e.metrics_stale
+            if e.metrics_unknown
             else 1.0 - min(1.0, max(0.0, e.metrics.kv_cache_usage))
             for e in endpoints
         }
@@ -114,7 +115,7 @@ class LoadAwareParameters(BaseModel):
 @register("load-aware-scorer")
 class LoadAwareScorer(Plugin[LoadAwareParameters]):
     """llm-d's absolute queue scorer, not relative to the other candidates: waiting queue
-    ``q = 0`` → 0.5; ``q ≥ threshold`` → 0; else ``0.5 · (1 - q / threshold)``; stale → 0.
+    ``q = 0`` → 0.5; ``q ≥ threshold`` → 0; else ``0.5 · (1 - q / threshold)``; never scraped → 0.
     (The score tops out at 0.5 by llm-d's design, leaving room above for spare capacity.)"""
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
@@ -126,7 +127,7 @@ class LoadAwareScorer(Plugin[LoadAwareParameters]):
         scores: dict[str, float] = {}
         for endpoint in endpoints:
             waiting = endpoint.metrics.waiting_requests
-            if endpoint.metrics_stale or waiting >= threshold:
+            if endpoint.metrics_unknown or waiting >= threshold:
                 scores[endpoint.address] = 0.0
             elif waiting <= 0:
                 scores[endpoint.address] = 0.5

@@ -57,6 +57,7 @@ def endpoint(
     running: int = 0,
     kv: float = 0.0,
     stale: bool = False,
+    scraped: bool = True,
     in_flight: int = 0,
     labels: Mapping[str, str] | None = None,
     running_lora: Sequence[str] = (),
@@ -73,9 +74,10 @@ def endpoint(
             running_lora_adapters=frozenset(running_lora),
             waiting_lora_adapters=frozenset(waiting_lora),
             max_lora=max_lora,
+            updated_at=0.0 if scraped else None,
         ),
         load=EndpointLoad(in_flight_requests=in_flight),
-        metrics_stale=stale,
+        metrics_stale=stale or not scraped,
     )
 
 

@@ -35,17 +35,19 @@ def test_least_loaded_scores_one_most_loaded_zero(
     assert make(scorer_type).score(request(), eps) == expected
 
 
-def test_queue_scorer_stale_counts_as_most_loaded() -> None:
+def test_queue_scorer_leaves_a_never_scraped_endpoint_out_and_reads_old_metrics() -> None:
     scorer = make("queue-scorer")
     eps = [
         endpoint("a:1", waiting=2),
         endpoint("b:1", waiting=6),
-        endpoint("s:1", waiting=0, stale=True),  # its reported 0 is not trusted
+        endpoint("n:1", scraped=False),  # nothing known: 0, outside the min and max
     ]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 0.0, "s:1": 0.0}
-    # Fresh endpoints all equal: they score 1, the stale one still 0.
-    eps = [endpoint("a:1", waiting=4), endpoint("s:1", stale=True)]
-    assert scorer.score(request(), eps) == {"a:1": 1.0, "s:1": 0.0}
+    assert scorer.score(request(), eps) == {"a:1": 1.0, "b:1": 0.0, "n:1": 0.0}
+    # Old metrics still describe the pod (a busy pod answers its /metrics late): scored on them.
+    eps = [endpoint("a:1", waiting=4), endpoint("s:1", waiting=0, stale=True)]
+    assert scorer.score(request(), eps) == {"a:1": 0.0, "s:1": 1.0}
+    eps = [endpoint("a:1", waiting=4), endpoint("n:1", scraped=False)]
+    assert scorer.score(request(), eps) == {"a:1": 1.0, "n:1": 0.0}
 
 
 def test_kv_cache_utilization_scorer() -> None:
@@ -54,9 +56,16 @@ def test_kv_cache_utilization_scorer() -> None:
         endpoint("a:1", kv=0.25),
         endpoint("b:1", kv=1.0),
         endpoint("c:1", kv=1.5),  # clamped
-        endpoint("s:1", kv=0.0, stale=True),
+        endpoint("s:1", kv=0.5, stale=True),
+        endpoint("n:1", scraped=False),
     ]
-    assert scorer.score(request(), eps) == {"a:1": 0.75, "b:1": 0.0, "c:1": 0.0, "s:1": 0.0}
+    assert scorer.score(request(), eps) == {
+        "a:1": 0.75,
+        "b:1": 0.0,
+        "c:1": 0.0,
+        "s:1": 0.5,
+        "n:1": 0.0,
+    }
 
 
 def test_kv_cache_scorer_is_the_old_name() -> None:
@@ -72,14 +81,16 @@ def test_load_aware_scorer_default_threshold() -> None:
         endpoint("b:1", waiting=32),
         endpoint("c:1", waiting=128),
         endpoint("d:1", waiting=500),
-        endpoint("s:1", stale=True),
+        endpoint("s:1", waiting=32, stale=True),
+        endpoint("n:1", scraped=False),
     ]
     assert scorer.score(request(), eps) == {
         "a:1": 0.5,
         "b:1": 0.375,  # 0.5 * (1 - 32/128)
         "c:1": 0.0,
         "d:1": 0.0,
-        "s:1": 0.0,
+        "s:1": 0.375,
+        "n:1": 0.0,
     }
 
 

@@ -33,7 +33,7 @@ def test_utilization_is_the_mean_of_each_endpoints_worse_ratio() -> None:
     # Stale (older than 0.2 s) or never scraped counts as full, and as stale; no endpoint at
     # all is full and none is stale.
     assert utilization([fresh("a:1", age=0.3), fresh("b:1")], 5, 0.8, 0.2) == (0.5, 1)
-    assert utilization([endpoint("a:1")], 5, 0.8, None) == (1.0, 1)
+    assert utilization([endpoint("a:1", scraped=False)], 5, 0.8, None) == (1.0, 1)
     assert utilization([], 5, 0.8, 0.2) == (1.0, 0)
 
 

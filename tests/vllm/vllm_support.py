@@ -56,8 +56,11 @@ __all__ = [
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    """Poll `condition` until it returns something truthy (returned), or fail saying `what`."""
+def wait_for(
+    condition: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.2
+) -> T:
+    """Poll `condition` every ``interval`` seconds until it returns something truthy (returned),
+    or fail saying `what`."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -65,7 +68,7 @@ def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 60.0
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
+        time.sleep(interval)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +212,14 @@ class Gateway:
     def epp_log(self) -> str:
         return self.epp_log_path.read_text(errors="replace")
 
+    def last_decision(self) -> str:
+        """The EPP's last decision line (it logs at debug level): the pick, and the prefix each
+        candidate was believed to hold, for a failed routing assertion to show."""
+        lines = [
+            x for x in self.epp_log().splitlines() if "epp.director: request" in x and "->" in x
+        ]
+        return lines[-1] if lines else "no decision logged"
+
     def epp_metrics(self) -> dict[str, float]:
         return metric_values(http_text(self.stack.metrics_url))
 
@@ -233,7 +244,7 @@ class Gateway:
             pods=0,
             config=epp_config(hash_algo, hash_seed),
             extra_endpoints=endpoints,
-            epp_log_level=None,
+            epp_log_level="debug",  # one line per decision, for `last_decision`
             ready_timeout=120,
         )
         return cls(stack)
