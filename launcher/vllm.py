@@ -313,6 +313,15 @@ class VLLMServer:
             proc.wait(timeout=10)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL to the server's process group, as the OOM killer or a lost node ends it: no
+        shutdown, its sockets closed by the kernel (`restart` starts it again)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
     def restart(self, *, wait: bool = True, **changes: Any) -> None:
         """Stop, then start on the same ports, with ``changes`` to the spec (e.g. a new seed);
         ``wait=False`` returns at once (call `wait_ready`), to restart several together."""

@@ -534,6 +534,24 @@ def test_restarts_with_another_seed_or_algo_are_detected_flagged_and_still_route
         assert len(published.batches) >= 12 and published.held, name
         old_keys[name] = set(published.held)
 
+    # Server a dies first, by SIGKILL: the EPP must stop routing to it within a second
+    # (its /metrics connection refused three times in a row), where a busy one never is.
+    refused = 'inference_extension_endpoint_unreachable_transitions{reason="connection_refused"}'
+    before = gateway.epp_metrics().get(refused, 0.0)
+    killed_at = time.monotonic()
+    servers["a"].kill()
+
+    def left_out() -> bool:
+        metrics = gateway.epp_metrics()
+        return metrics.get(refused, 0.0) > before and bool(
+            metrics.get("inference_extension_unreachable_endpoints")
+        )
+
+    wait_for(left_out, "the EPP to mark the killed server unreachable", interval=0.02)
+    detected = time.monotonic() - killed_at
+    print(f"killed real vLLM server marked unreachable after {detected:.3f} s")
+    assert detected < 1.0, detected
+
     for name, server in servers.items():
         algo, hash_seed = new_config[name]
         server.restart(wait=False, hash_algo=algo, hash_seed=hash_seed)
