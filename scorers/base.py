@@ -144,7 +144,7 @@ class Endpoint:
     def metrics_unknown(self) -> bool:
         """No scrape of the pod has succeeded yet: upstream's metrics "not updated", which its
         load scorers leave unscored.  Metrics that are merely old still describe the pod."""
-        return self.metrics_stale and self.metrics.updated_at is None
+        return self.metrics.updated_at is None
 
     @property
     def ip(self) -> str:

@@ -68,9 +68,7 @@ def utilization(
         if is_stale is not None:
             stale = is_stale(ep)
         else:
-            stale = ep.metrics.updated_at is None or (
-                staleness is not None and ep.metrics_age > staleness
-            )
+            stale = ep.metrics_unknown or (staleness is not None and ep.metrics_age > staleness)
         stale_count += stale
         total += (
             1.0
