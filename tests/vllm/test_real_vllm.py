@@ -482,9 +482,13 @@ def test_a_generate_follow_up_through_envoy_hits_vllms_cache(
         answer = http_json(f"{gateway.url}{GENERATE}", generate_body(first))
         assert answer["usage"]["prompt_tokens"] == len(first)
 
+        # The EPP replays the server's history on first contact, so a count of its entries can
+        # pass before this request's own blocks arrive: wait for those keys.
+        keys = epp_block_keys(server, generate_body(first))
+        address = server.spec.ports.address
+
         def indexed() -> bool:
-            entries = gateway.epp_metrics().get("inference_extension_kv_index_entries", 0.0)
-            return entries >= len(first) // BLOCK_SIZE
+            return gateway.matched_blocks(keys).get(address, 0) == len(keys)
 
         wait_for(indexed, "the EPP to index the first generate request's blocks", timeout=30)
         metrics = gateway.epp_metrics()

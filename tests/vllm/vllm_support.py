@@ -21,6 +21,7 @@ import msgpack
 import zmq
 
 from launcher.configs import weighted_config
+from launcher.ports import reserve_port
 from launcher.stack import Stack
 from launcher.vllm import (
     BLOCK_SIZE,
@@ -200,6 +201,7 @@ class Gateway:
     """``epp serve`` with static endpoints and the precise scorer, and Envoy in front of it."""
 
     stack: Stack
+    kv_api: str  # host:port of the EPP's KV-cache gRPC API
 
     @property
     def url(self) -> str:
@@ -223,6 +225,19 @@ class Gateway:
     def epp_metrics(self) -> dict[str, float]:
         return metric_values(http_text(self.stack.metrics_url))
 
+    def matched_blocks(self, keys: list[int]) -> dict[str, int]:
+        """How many of ``keys``' leading blocks the EPP's index holds on each endpoint, asked
+        through its KV-cache gRPC API."""
+        import grpc
+
+        from kvcache.api import kvcache_pb2 as pb
+        from kvcache.api import kvcache_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.kv_api) as channel:
+            stub = pb_grpc.KVCacheStub(channel)  # type: ignore[no-untyped-call]
+            answer = stub.Lookup(pb.LookupRequest(block_keys=keys), timeout=5)
+        return {pod.endpoint: pod.matched_blocks for pod in answer.pods}
+
     def completion(self, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
         answer: dict[str, Any] = http_json(f"{self.url}/v1/completions", body)
@@ -238,16 +253,18 @@ class Gateway:
         cls, workdir: Path, servers: Iterable[ServerSpec], hash_algo: str, hash_seed: str | None
     ) -> Gateway:
         endpoints = [s.ports.endpoint(s.name) for s in servers]
+        kv_api = reserve_port()
         stack = Stack.start(
             workdir,
             None,
             pods=0,
             config=epp_config(hash_algo, hash_seed),
             extra_endpoints=endpoints,
+            epp_args=["--kv-cache-grpc-port", str(kv_api)],
             epp_log_level="debug",  # one line per decision, for `last_decision`
             ready_timeout=120,
         )
-        return cls(stack)
+        return cls(stack, f"127.0.0.1:{kv_api}")
 
     def stop(self) -> None:
         self.stack.stop()
