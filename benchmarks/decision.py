@@ -212,7 +212,7 @@ def _epp_process(
     asyncio.run(_serve(conn, endpoints, tokenizer_dir, held))
 
 
-async def _with_epp(
+async def with_fresh_epp(
     endpoints: int, tokenizer_dir: Path, held: list[list[int]], client: Callable[[Any], Any]
 ) -> Any:
     """Start the EPP in another process, connect and health-check as Envoy does (its
@@ -299,7 +299,7 @@ async def run_extproc_cases(
                     await one_decision(stub, body)
                 results[name] = _percentiles([await one_decision(stub, body) for body in timed])
 
-        await _with_epp(endpoints, tokenizer_dir, held, client)
+        await with_fresh_epp(endpoints, tokenizer_dir, held, client)
     ordered = dict(results)
     results.clear()
     for i in range(3):

@@ -6,7 +6,8 @@ index memory.
                                   [--requests 100] [--seconds 10] [--memory-entries 10000000]
                                   [--only latency rps ingestion memory] [--json OUT]
 
-* ``latency``: a gRPC client sends ``request_headers`` + the whole body on one ext_proc stream
+* ``latency``: the EPP in a fresh process of its own; a gRPC client (this process, as Envoy is
+  another) sends ``request_headers`` + the whole body on one ext_proc stream
   and stops the clock at the headers response (the destination): parsing, the chat template,
   tokenization, vLLM block hashing, the index lookup, every scorer, the picker.  The profile is
   `benchmarks.decision`'s (precise prefix 3, queue 2, KV utilization 2); four endpoints hold the
@@ -49,6 +50,7 @@ from benchmarks.decision import (
     _stored,
     _text,
     one_decision,
+    with_fresh_epp,
 )
 from benchmarks.indexer import probe_memory
 from benchmarks.reports import write_json
@@ -118,31 +120,29 @@ class Server:
 
 
 async def latency(endpoints: int, sizes: list[int], requests: int, tok_dir: Path) -> dict[str, Any]:
-    server = Server(endpoints, tok_dir)
-    await server.start()
+    """Decision latency per prompt size, cold and warm, the EPP in a process of its own (as
+    `benchmarks.decision` runs it): a client on the EPP's own event loop once held it for
+    25 ms in one of its writes, and that showed as the EPP's p99."""
     tok = PromptTokenizer.from_pretrained(tok_dir)
     rng = random.Random(7)
+    shared = {size: [{"role": "system", "content": _text(rng, size - 200)}] for size in sizes}
+    held = [tok.encode_chat(messages) for messages in shared.values()]
+    cases: dict[str, tuple[list[bytes], list[bytes]]] = {}
+    for size, messages in shared.items():
+        n = max(20, requests * 2048 // size) if size > 8192 else requests
+        for name, make in _chat_cases(rng, size, messages).items():
+            label = f"{endpoints} endpoints, chat {size // 1024}k {name}"
+            cases[label] = ([make() for _ in range(5)], [make() for _ in range(n)])
     out: dict[str, Any] = {}
-    try:
-        async with grpc.aio.insecure_channel(
-            f"127.0.0.1:{server.port}", options=[("grpc.max_send_message_length", 64 << 20)]
-        ) as channel:
-            stub = ep_grpc.ExternalProcessorStub(channel)
-            for size in sizes:
-                shared = [{"role": "system", "content": _text(rng, size - 200)}]
-                server.hold(tok.encode_chat(shared))
-                n = max(20, requests * 2048 // size) if size > 8192 else requests
-                for name, make in _chat_cases(rng, size, shared).items():
-                    for _ in range(5):
-                        await one_decision(stub, make())
-                    bodies = [make() for _ in range(n)]
-                    samples = [await one_decision(stub, b) for b in bodies]
-                    out[f"{endpoints} endpoints, chat {size // 1024}k {name}"] = {
-                        **_percentiles(samples),
-                        "n": n,
-                    }
-    finally:
-        await server.stop()
+
+    async def client(stub: Any) -> None:
+        for label, (warm_up, timed) in cases.items():
+            for body in warm_up:
+                await one_decision(stub, body)
+            samples = [await one_decision(stub, body) for body in timed]
+            out[label] = {**_percentiles(samples), "n": len(timed)}
+
+    await with_fresh_epp(endpoints, tok_dir, held, client)
     return out
 
 
