@@ -166,42 +166,67 @@ async def one_decision(stub: Any, body: bytes, *, must_route: bool = False) -> f
     return elapsed
 
 
+class Server:
+    """The EPP's request path in this process: datastore, scheduler, director, ext_proc."""
+
+    def __init__(self, endpoints: int, tokenizer_dir: Path, config: str | None = None) -> None:
+        self.datastore = Datastore(staleness_threshold=None)
+        self.addresses = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
+        rng = random.Random(1)
+        for address in self.addresses:
+            self.datastore.upsert(EndpointSpec(address=address))
+            self.datastore.update_metrics(
+                address, EndpointMetrics(waiting_requests=rng.randrange(4), kv_cache_usage=0.3)
+            )
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epp-cpu")
+        self.context = PluginContext(endpoints=self.datastore, executor=self.executor)
+        self.scheduler = build_scheduler(
+            load_config(text=config or _config(tokenizer_dir)), self.context
+        )
+        plugin = self.scheduler.plugin("precise-prefix-cache-scorer")
+        assert isinstance(plugin, PrecisePrefixCacheScorer)
+        self.plugin = plugin
+        self.port = 0
+
+    async def start(self) -> None:
+        await self.context.kv_caches.start(self.executor)
+        self.datastore.add_listener(self.context.kv_caches)
+        await self.scheduler.start()
+        self.datastore.add_listener(self.scheduler)
+        health = HealthService(lambda: True)
+        self.server = await start_extproc_server(
+            Director(self.datastore, self.scheduler),
+            port=0,
+            host="127.0.0.1",
+            extra_services=(lambda grpc_server: add_health_service(grpc_server, health),),
+        )
+        self.port = self.server.port
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
+        await self.scheduler.stop()
+        await self.context.kv_caches.stop()
+        self.executor.shutdown(cancel_futures=True)
+
+    def hold(self, ids: list[int], holders: int = 4) -> None:
+        stored = _stored(ids)
+        for address in self.addresses[:holders]:
+            self.plugin.view.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
+
+
 async def _serve(
     conn: Connection, endpoints: int, tokenizer_dir: Path, held: list[list[int]]
 ) -> None:
-    datastore = Datastore(staleness_threshold=None)
-    addresses = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
-    rng = random.Random(3)
-    for address in addresses:
-        datastore.upsert(EndpointSpec(address=address))
-        datastore.update_metrics(address, EndpointMetrics(waiting_requests=rng.randrange(4)))
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epp-cpu")
-    context = PluginContext(endpoints=datastore, executor=executor)
-    scheduler = build_scheduler(load_config(text=_config(tokenizer_dir)), context)
-    plugin = scheduler.plugin("precise-prefix-cache-scorer")
-    assert isinstance(plugin, PrecisePrefixCacheScorer)
+    server = Server(endpoints, tokenizer_dir)
     # Loads and warms the tokenizer, as `epp serve` does before it listens.
-    await context.kv_caches.start(executor)
-    await scheduler.start()
-    # Four pods hold each shared system prompt, so lookups walk real index entries.
-    for ids in held:
-        for address in addresses[:4]:
-            plugin.view.apply(address, KVEventBatch(ts=0.0, events=(_stored(ids),)))
-    health = HealthService(lambda: True)
-    server = await start_extproc_server(
-        Director(datastore, scheduler),
-        port=0,
-        host="127.0.0.1",
-        extra_services=(lambda grpc_server: add_health_service(grpc_server, health),),
-    )
+    await server.start()
     try:
+        for ids in held:  # four pods hold each, so lookups walk real index entries
+            server.hold(ids)
         conn.send(server.port)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
     finally:
-        await server.stop(grace=None)
-        await scheduler.stop()
-        await context.kv_caches.stop()
-        executor.shutdown()
+        await server.stop()
 
 
 def _epp_process(
@@ -275,7 +300,7 @@ async def run_extproc_cases(
         _chat([*burst_system, {"role": "user", "content": _text(rng, 150)}]) for _ in range(BURST)
     ]
     after_start: list[list[float]] = []
-    results: dict[str, Any] = {}
+    later: dict[str, Any] = {}  # the burst and the steady cases, after the last start
 
     for k, bodies in enumerate(firsts):
         last = k == starts - 1
@@ -289,26 +314,25 @@ async def run_extproc_cases(
             # others are doing.  Timed per decision and for the whole burst.
             burst_start = time.perf_counter()
             burst = await asyncio.gather(*(one_decision(stub, body) for body in burst_bodies))
-            results[f"burst of {BURST} (2k, new prefix)"] = _percentiles(burst)
-            results[f"burst of {BURST}: all decided"] = dict.fromkeys(
+            later[f"burst of {BURST} (2k, new prefix)"] = _percentiles(burst)
+            later[f"burst of {BURST}: all decided"] = dict.fromkeys(
                 ("p50_ms", "p99_ms", "mean_ms", "max_ms"),
                 1000 * (time.perf_counter() - burst_start),
             )
             for name, (warm_up, timed) in cases.items():
                 for body in warm_up:
                     await one_decision(stub, body)
-                results[name] = _percentiles([await one_decision(stub, body) for body in timed])
+                later[name] = _percentiles([await one_decision(stub, body) for body in timed])
 
         await with_fresh_epp(endpoints, tokenizer_dir, held, client)
-    ordered = dict(results)
-    results.clear()
-    for i in range(3):
-        results[f"decision {i + 1} after start (2k)"] = {
+    results: dict[str, Any] = {
+        f"decision {i + 1} after start (2k)": {
             **_percentiles([times[i] for times in after_start]),
             "starts": starts,
         }
-    results.update(ordered)
-    return results
+        for i in range(3)
+    }
+    return {**results, **later}
 
 
 def run_schedule_only(endpoints: int, requests: int) -> dict[str, Any]:

@@ -31,9 +31,9 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from benchmarks.decision import _percentiles, one_decision
+from benchmarks.decision import Server, _percentiles, one_decision
 from benchmarks.kvreplicas import _server_cpu
-from benchmarks.overhead import Server, _warm_bodies
+from benchmarks.overhead import _warm_bodies
 from benchmarks.reports import command_line, write_json
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
 from launcher.configs import weighted_config

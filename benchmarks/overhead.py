@@ -35,7 +35,6 @@ import random
 import resource
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from benchmarks.decision import (
+    Server,
     _chat,
     _chat_cases,
-    _config,
     _percentiles,
     _stored,
     _text,
@@ -54,65 +53,16 @@ from benchmarks.decision import (
 )
 from benchmarks.indexer import probe_memory
 from benchmarks.reports import write_json
-from epp.config import build_scheduler, load_config
-from epp.datastore import Datastore, EndpointSpec
-from epp.director import Director
-from epp.extproc_server import start_extproc_server
+from epp.datastore import EndpointSpec
 from indexer.endpoint_feed import _EndpointFeed
 from indexer.events import KVEventBatch, encode_batch
 from indexer.tokenization import PromptTokenizer
 from indexer.tokenizer_assets import build_llama3_tokenizer_dir
-from scorers.base import EndpointMetrics, PluginContext
-from scorers.precise_prefix import PrecisePrefixCacheScorer
 
 
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-class Server:
-    """The EPP's request path in this process: datastore, scheduler, director, ext_proc."""
-
-    def __init__(self, endpoints: int, tokenizer_dir: Path, config: str | None = None) -> None:
-        self.datastore = Datastore(staleness_threshold=None)
-        self.addresses = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
-        rng = random.Random(1)
-        for address in self.addresses:
-            self.datastore.upsert(EndpointSpec(address=address))
-            self.datastore.update_metrics(
-                address, EndpointMetrics(waiting_requests=rng.randrange(4), kv_cache_usage=0.3)
-            )
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epp-cpu")
-        self.context = PluginContext(endpoints=self.datastore, executor=self.executor)
-        self.scheduler = build_scheduler(
-            load_config(text=config or _config(tokenizer_dir)), self.context
-        )
-        plugin = self.scheduler.plugin("precise-prefix-cache-scorer")
-        assert isinstance(plugin, PrecisePrefixCacheScorer)
-        self.plugin = plugin
-        self.port = 0
-
-    async def start(self) -> None:
-        await self.context.kv_caches.start(self.executor)
-        self.datastore.add_listener(self.context.kv_caches)
-        await self.scheduler.start()
-        self.datastore.add_listener(self.scheduler)
-        self.server = await start_extproc_server(
-            Director(self.datastore, self.scheduler), port=0, host="127.0.0.1"
-        )
-        self.port = self.server.port
-
-    async def stop(self) -> None:
-        await self.server.stop(grace=None)
-        await self.scheduler.stop()
-        await self.context.kv_caches.stop()
-        self.executor.shutdown(cancel_futures=True)
-
-    def hold(self, ids: list[int], holders: int = 4) -> None:
-        stored = _stored(ids)
-        for address in self.addresses[:holders]:
-            self.plugin.view.apply(address, KVEventBatch(ts=0.0, events=(stored,)))
 
 
 # ---------------------------------------------------------------------------------------------
