@@ -18,7 +18,14 @@ def test_the_first_decisions_are_timed_over_fresh_starts_and_summarized(
     first = results["decision 1 after start (2k)"]
     assert first["starts"] == 2
     assert 0 < first["p50_ms"] <= first["max_ms"]
-    for case in ("chat 2k cold", "chat 2k warm", "chat 8k cold", "chat 8k warm"):
+    for case in (
+        "chat 2k cold",
+        "chat 2k warm",
+        "chat 8k cold",
+        "chat 8k warm",
+        "chat 2k cold after idle",
+        "chat 2k warm after idle",
+    ):
         assert 0 < results[case]["p50_ms"] <= results[case]["max_ms"], case
     summary = start_up_summary(results)
     assert summary["first_over_warm_p50"] == pytest.approx(
@@ -26,6 +33,9 @@ def test_the_first_decisions_are_timed_over_fresh_starts_and_summarized(
     )
     assert summary["first_over_cold_p50"] == pytest.approx(
         first["p50_ms"] / results["chat 2k cold"]["p50_ms"]
+    )
+    assert summary["first_over_idle_warm_p50"] == pytest.approx(
+        first["p50_ms"] / results["chat 2k warm after idle"]["p50_ms"]
     )
     # The longest single decision, not the burst's total.
     assert summary["longest_case"] != "burst of 12: all decided"
