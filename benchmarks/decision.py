@@ -27,7 +27,9 @@ Decisions back to back run on hot CPU caches and busy threads; a request that fi
 idle does not, and the first one after start always finds it idle.  So the last start also
 times decisions after ``IDLE_GAP_S`` of quiet, new prompts and shared ones alternately
 (``after idle`` rows), and the summary compares the first decision with them too: like with
-like, the difference is what starting costs.  Before each start the client sends a few streams
+like, the difference is what starting costs.  The ``echo`` rows send the warm 2k chat to an
+ext_proc server in another process that answers at once, back to back and after the same gap:
+the gRPC round trip alone, the floor under every decision.  Before each start the client sends a few streams
 to an ext_proc echo server in its own process, so that the Python client's own first-stream
 work (Envoy has none) is not timed as the EPP's.  ``schedule-only`` times the scheduler core
 alone (filters, scorers, picker) with 64 endpoints and an 8k-token prompt.  Envoy's own share
@@ -276,6 +278,50 @@ async def warm_client(streams: int = 3) -> None:
         await server.stop(grace=None)
 
 
+async def _serve_echo(conn: Connection) -> None:
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(_Echo(), server)
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    await server.start()
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
+    await server.stop(grace=None)
+
+
+def _echo_process(conn: Connection) -> None:
+    asyncio.run(_serve_echo(conn))
+
+
+async def transport_cases(body: bytes, requests: int) -> dict[str, Any]:
+    """The same streams against an echo server in another process: what the gRPC round trip
+    alone costs on this machine, back to back and after the idle gap, with no EPP work."""
+    await warm_client()
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    proc = spawn.Process(target=_echo_process, args=(theirs,))
+    proc.start()
+    loop = asyncio.get_running_loop()
+    try:
+        if not await loop.run_in_executor(None, ours.poll, 60):
+            raise RuntimeError("the echo server did not start within 60 s")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ours.recv()}") as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            for _ in range(5):
+                await one_decision(stub, body)
+            back_to_back = [await one_decision(stub, body) for _ in range(requests)]
+            idle = []
+            for _ in range(IDLE_DECISIONS):
+                await asyncio.sleep(IDLE_GAP_S)
+                idle.append(await one_decision(stub, body))
+    finally:
+        if proc.is_alive():
+            ours.send("stop")
+        await loop.run_in_executor(None, proc.join, 30)
+    return {
+        "echo 2k (gRPC only)": _percentiles(back_to_back),
+        "echo 2k after idle (gRPC only)": _percentiles(idle),
+    }
+
+
 async def with_fresh_epp(
     endpoints: int, tokenizer_dir: Path, held: list[list[int]], client: Callable[[Any], Any]
 ) -> Any:
@@ -374,6 +420,7 @@ async def run_extproc_cases(
             later.update(await _after_idle(stub, idle_bodies))
 
         await with_fresh_epp(endpoints, tokenizer_dir, held, client)
+    later.update(await transport_cases(idle_bodies["warm"][0], requests))
     results: dict[str, Any] = {
         f"decision {i + 1} after start (2k)": {
             **_percentiles([times[i] for times in after_start]),
@@ -459,6 +506,10 @@ def main() -> None:
         f"and {summary['first_over_idle_cold_p50']:.2f} x the cold (its prompt is new, as a "
         f"cold one's is)"
     )
+    print(
+        f"the gRPC round trip alone after {IDLE_GAP_S:g} s idle (echo) is "
+        f"{summary['idle_echo_over_warm_p50']:.2f} x the warm 2k p50"
+    )
     print(f"longest decision: {summary['longest_ms']:.2f} ms ({summary['longest_case']})")
     write_json(args.json, {**results, "summary": summary})
 
@@ -472,7 +523,9 @@ def start_up_summary(results: dict[str, Any]) -> dict[str, Any]:
     idle_warm = results["chat 2k warm after idle"]["p50_ms"]
     idle_cold = results["chat 2k cold after idle"]["p50_ms"]
     decisions = {
-        name: row["max_ms"] for name, row in results.items() if not name.endswith("all decided")
+        name: row["max_ms"]
+        for name, row in results.items()
+        if not name.endswith("all decided") and not name.endswith("(gRPC only)")
     }
     longest = max(decisions, key=decisions.__getitem__)
     return {
@@ -482,6 +535,7 @@ def start_up_summary(results: dict[str, Any]) -> dict[str, Any]:
         "first_over_cold_p50": first["p50_ms"] / cold,
         "first_over_idle_warm_p50": first["p50_ms"] / idle_warm,
         "first_over_idle_cold_p50": first["p50_ms"] / idle_cold,
+        "idle_echo_over_warm_p50": results["echo 2k after idle (gRPC only)"]["p50_ms"] / warm,
         "longest_ms": decisions[longest],
         "longest_case": longest,
     }
