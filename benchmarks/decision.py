@@ -29,12 +29,12 @@ times decisions after ``IDLE_GAP_S`` of quiet, new prompts and shared ones alter
 (``after idle`` rows), and the summary compares the first decision with them too: like with
 like, the difference is what starting costs.  The ``echo`` rows send the warm 2k chat to an
 ext_proc server in another process that answers at once, back to back and after the same gap:
-the gRPC round trip alone, the floor under every decision.  Before each start the client sends a few streams
-to an ext_proc echo server in its own process, so that the Python client's own first-stream
-work (Envoy has none) is not timed as the EPP's.  ``schedule-only`` times the scheduler core
-alone (filters, scorers, picker) with 64 endpoints and an 8k-token prompt.  Envoy's own share
-is the figure in docs/toolchain.md §1, "Envoy and the ext_proc stubs" (p50 2.0 ms per request
-proxied with a BUFFERED body).
+the gRPC round trip alone, the floor under every decision.  Before each start the client sends
+a few streams to an ext_proc echo server in its own process, so that the Python client's own
+first-stream work (Envoy has none) is not timed as the EPP's.  ``schedule-only`` times the
+scheduler core alone (filters, scorers, picker) with 64 endpoints and an 8k-token prompt.
+Envoy's own share is the figure in docs/toolchain.md §1, "Envoy and the ext_proc stubs" (p50
+2.0 ms per request proxied with a BUFFERED body).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -261,14 +262,19 @@ class _Echo(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 
 
-async def warm_client(streams: int = 3) -> None:
-    """Run ``streams`` decisions' worth of ext_proc traffic against an echo server in this
-    process: a Python client's first stream took 1.5-5 ms against 0.5-0.7 for the next ones
-    (measured with this echo), work of the client, not of the EPP it is about to time."""
+async def _start_echo() -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
     ep_grpc.add_ExternalProcessorServicer_to_server(_Echo(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, port
+
+
+async def warm_client(streams: int = 3) -> None:
+    """Run ``streams`` decisions' worth of ext_proc traffic against an echo server in this
+    process: a Python client's first stream took 1.5-5 ms against 0.5-0.7 for the next ones
+    (measured with this echo), work of the client, not of the EPP it is about to time."""
+    server, port = await _start_echo()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = ep_grpc.ExternalProcessorStub(channel)
@@ -279,10 +285,8 @@ async def warm_client(streams: int = 3) -> None:
 
 
 async def _serve_echo(conn: Connection) -> None:
-    server = grpc.aio.server()
-    ep_grpc.add_ExternalProcessorServicer_to_server(_Echo(), server)
-    conn.send(server.add_insecure_port("127.0.0.1:0"))
-    await server.start()
+    server, port = await _start_echo()
+    conn.send(port)
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
     await server.stop(grace=None)
 
@@ -291,31 +295,41 @@ def _echo_process(conn: Connection) -> None:
     asyncio.run(_serve_echo(conn))
 
 
-async def transport_cases(body: bytes, requests: int) -> dict[str, Any]:
-    """The same streams against an echo server in another process: what the gRPC round trip
-    alone costs on this machine, back to back and after the idle gap, with no EPP work."""
-    await warm_client()
+@asynccontextmanager
+async def _spawned(
+    target: Callable[..., None], args: tuple[Any, ...], what: str, start_s: float
+) -> AsyncIterator[grpc.aio.Channel]:
+    """Run ``target(conn, *args)`` in a fresh interpreter (it sends the port it serves on, then
+    waits for "stop") and yield a channel to that port; stop the process on the way out."""
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
-    proc = spawn.Process(target=_echo_process, args=(theirs,))
+    proc = spawn.Process(target=target, args=(theirs, *args))
     proc.start()
     loop = asyncio.get_running_loop()
     try:
-        if not await loop.run_in_executor(None, ours.poll, 60):
-            raise RuntimeError("the echo server did not start within 60 s")
+        if not await loop.run_in_executor(None, ours.poll, start_s):
+            raise RuntimeError(f"the {what} did not start within {start_s:g} s")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{ours.recv()}") as channel:
-            stub = ep_grpc.ExternalProcessorStub(channel)
-            for _ in range(5):
-                await one_decision(stub, body)
-            back_to_back = [await one_decision(stub, body) for _ in range(requests)]
-            idle = []
-            for _ in range(IDLE_DECISIONS):
-                await asyncio.sleep(IDLE_GAP_S)
-                idle.append(await one_decision(stub, body))
+            yield channel
     finally:
         if proc.is_alive():
             ours.send("stop")
-        await loop.run_in_executor(None, proc.join, 30)
+        await loop.run_in_executor(None, proc.join, 60)
+
+
+async def transport_cases(body: bytes, requests: int) -> dict[str, Any]:
+    """The same streams against an echo server in another process: what the gRPC round trip
+    alone costs on this machine, back to back and after the idle gap, with no EPP work.  The
+    client is warm already (`with_fresh_epp` ran before)."""
+    async with _spawned(_echo_process, (), "echo server", 60) as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        for _ in range(5):
+            await one_decision(stub, body)
+        back_to_back = [await one_decision(stub, body) for _ in range(requests)]
+        idle = []
+        for _ in range(IDLE_DECISIONS):
+            await asyncio.sleep(IDLE_GAP_S)
+            idle.append(await one_decision(stub, body))
     return {
         "echo 2k (gRPC only)": _percentiles(back_to_back),
         "echo 2k after idle (gRPC only)": _percentiles(idle),
@@ -329,25 +343,13 @@ async def with_fresh_epp(
     cluster health check asks the ext_proc port before traffic arrives), run ``client(stub)``
     and stop the EPP."""
     await warm_client()
-    spawn = multiprocessing.get_context("spawn")
-    ours, theirs = spawn.Pipe()
-    proc = spawn.Process(target=_epp_process, args=(theirs, endpoints, tokenizer_dir, held))
-    proc.start()
-    loop = asyncio.get_running_loop()
-    try:
-        if not await loop.run_in_executor(None, ours.poll, 120):
-            raise RuntimeError("the EPP process did not start within 120 s")
-        port = ours.recv()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            await channel.channel_ready()
-            await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=EXTPROC_SERVICE)
-            )
-            return await client(ep_grpc.ExternalProcessorStub(channel))
-    finally:
-        if proc.is_alive():
-            ours.send("stop")
-        await loop.run_in_executor(None, proc.join, 60)
+    args = (endpoints, tokenizer_dir, held)
+    async with _spawned(_epp_process, args, "EPP process", 120) as channel:
+        await channel.channel_ready()
+        await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=EXTPROC_SERVICE)
+        )
+        return await client(ep_grpc.ExternalProcessorStub(channel))
 
 
 def _first_bodies(rng: random.Random) -> list[bytes]:
@@ -365,8 +367,8 @@ async def run_extproc_cases(
 ) -> dict[str, Any]:
     """The first decisions after ``starts`` fresh starts of the EPP, then (in the last) a
     burst of new conversations, the steady cold and warm cases and the same after an idle
-    gap.  The client is this
-    process, as Envoy is another one: it takes no CPU time from the EPP's interpreter."""
+    gap; then the echo server's round trips.  The client is this process, as Envoy is another
+    one: it takes no CPU time from the EPP's interpreter."""
     rng = random.Random(7)
     tok = PromptTokenizer.from_pretrained(tokenizer_dir)
     shared = {
