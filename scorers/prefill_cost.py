@@ -13,6 +13,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
              · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
            + F · (uncachedTokenWeight − 1) · ū · N · (demand_e − min demand)
            + (uncomputedTokenWeight − 1) · uncached_e · (N · share_e − 1)⁺
+           + (uncachedTokenWeight − uncomputedTokenWeight) · ρ · new · (fill_e − min fill)
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
   entries for requests just routed there).  Each costs its own prefill (1) and the delay it
@@ -62,13 +63,25 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   used.)  Only a new conversation pays it (``F`` is 0 for a request that continues a known
   one): a conversation already cached stays where it is, since moving it copies it and
   leaves the old copy crowding out others.
-* The last term: a pod taking more than its share of the requests (``share_e``, its recent
+* The share term: a pod taking more than its share of the requests (``share_e``, its recent
   share of the routed requests, over an even share ``1 / N``) is busier than its requests in
   flight show, so the delay an uncached token imposes there grows with the excess, as with
   ``busy_e``.  Requests that would bring their whole prompt (a short unique chat, a one-off
   prompt) leave first; those whose prefix it holds bring little and stay.  Without it, a pod
   that looked cheaper by a few tokens for every short chat took 1.3-1.5 × the mean on real
   vLLM (the mixed workload).
+* The placement term places new content that later requests will share.  ``ρ``: the share of the
+  tokens requests brought first that a later request named again (`scorers.new_content`;
+  continued conversations aside, they are the sessions term's), about 0 on a fleet of one-off
+  prompts.  ``fill_e``: the share of ``e``'s cache the index says holds anything.  The requests
+  that share a new prefix (a group's system prompt and its questions) follow it to the pod it
+  lands on, so where the first lands places them all; on a fuller cache it evicts, and is
+  evicted, sooner, as the eviction premium prices.  Placed by the load of the moment instead,
+  the A100 shared-prefix matrix cell's 12 system prompts sat 3/4/5 per pod (requests
+  116/206/234), and the pod with five evicted more of their questions; with this term they sit
+  4/4/4.  Without ``ρ`` the term sent one-off prompts to empty pods over idle ones (no-reuse
+  and trace cells lost p90).  Left out while any candidate's capacity or index view is
+  unknown.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
@@ -113,6 +126,7 @@ from scorers.base import (
     Usage,
     register,
 )
+from scorers.new_content import NewContentReuse
 from scorers.request_data import (
     KV_CACHED_TOKENS,
     PREFIX_BLOCK_KEYS,
@@ -208,6 +222,8 @@ class CostTerms(NamedTuple):
     already claim more of."""
     share: float
     """The delay a pod taking more than its share of the requests imposes."""
+    placement: float
+    """New content later requests are expected to share, placed on a fuller cache."""
 
     @property
     def total(self) -> float:
@@ -245,6 +261,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         self.sessions = SessionTracker()
         self.tail = ReuseTail()
         self.active = ActiveBlocks()
+        self.new_content = NewContentReuse()
 
     def costs(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
         """Estimated cost per candidate, in tokens of prefill work (exposed for explanations
@@ -296,8 +313,10 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         # crowd out others (real vLLM-CPU, multi-turn: 8 of the default's 14 moves of a
         # conversation away from the pod holding most of it were for this term).
         followups = self.sessions.expected_followups
-        if followups and self.sessions.continues(keys):
-            followups = 0.0  # (the tips are looked up only on a fleet that has sessions)
+        reuse = self.new_content.rate
+        # (The tips are looked up only on a fleet where either charge applies.)
+        if (followups or reuse) and self.sessions.continues(keys):
+            followups = reuse = 0.0
         future = followups * max(0.0, p.uncachedTokenWeight - 1.0) * self.sessions.uncached
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
         demand = (
@@ -316,6 +335,14 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         unavoidable = min((max(0, new_tokens - room) for room in free.values()), default=0)
         damage = self._reuse_damage(request, endpoints, keys, cached, free)
         least_damage = min(damage.values(), default=0)
+        # New content later requests will share brings them where it lands: it belongs on the
+        # pod whose cache is emptiest, where it outlives the least other content.
+        fills = {e.address: self._fill(e, held_anything) for e in endpoints}
+        known_fills = [f for f in fills.values() if f is not None]
+        spread = (
+            premium * reuse * new_tokens if len(known_fills) == len(fills) and new_tokens else 0.0
+        )
+        least_fill = min(known_fills, default=0.0)
         costs: dict[str, CostTerms] = {}
         for endpoint in endpoints:
             address = endpoint.address
@@ -341,6 +368,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 slowness=(slow.get(address, 1.0) - 1.0) * own_time,
                 kv_wait=kv_wait,
                 sessions=future * len(endpoints) * (demand[address] - least_demand),
+                placement=spread * ((fills[address] or 0.0) - least_fill),
                 share=delay * uncached * max(0.0, len(endpoints) * shares[address] - 1.0),
             )
         return costs
@@ -367,6 +395,15 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 blocks = -(-over // block)
                 damage[address] = block * self.tail.reused_evicted(address, blocks, own)
         return damage
+
+    @staticmethod
+    def _fill(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> float | None:
+        """Share of ``endpoint``'s cache the index says holds something (None while unknown)."""
+        capacity = _capacity(endpoint)
+        held = None if held_anything is None else held_anything.get(endpoint.address)
+        if not capacity or held is None:
+            return None
+        return min(1.0, held / capacity)
 
     @staticmethod
     def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
@@ -456,6 +493,11 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         matched: Mapping[str, int] = request.data.get(PREFIX_MATCHED_BLOCKS) or {}
         if keys:
+            self.new_content.observe(
+                keys,
+                _block_tokens(endpoint, request.prompt_tokens, keys),
+                continues=self.sessions.continues(keys),
+            )
             blocks = endpoint.metrics.num_gpu_blocks
             self.tail.observe(endpoint.address, keys, blocks - 1 if blocks else None)
             rates = self.rates.rates()
