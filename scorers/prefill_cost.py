@@ -238,6 +238,17 @@ def _capacity(endpoint: Endpoint) -> int | None:
     return (metrics.num_gpu_blocks - 1) * metrics.block_size
 
 
+def _cache_view(
+    endpoint: Endpoint, held_anything: Mapping[str, int] | None
+) -> tuple[int, int] | None:
+    """``endpoint``'s (capacity, tokens the index says it holds), None while either is unknown."""
+    capacity = _capacity(endpoint)
+    held = None if held_anything is None else held_anything.get(endpoint.address)
+    if not capacity or held is None:
+        return None
+    return capacity, held
+
+
 def _block_tokens(endpoint: Endpoint, prompt_tokens: int, keys: Sequence[int]) -> int:
     """Tokens per block key: the pod's block size, or the prompt's while unknown."""
     return endpoint.metrics.block_size or max(1, prompt_tokens // max(1, len(keys)))
@@ -399,21 +410,15 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
     @staticmethod
     def _fill(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> float | None:
         """Share of ``endpoint``'s cache the index says holds something (None while unknown)."""
-        capacity = _capacity(endpoint)
-        held = None if held_anything is None else held_anything.get(endpoint.address)
-        if not capacity or held is None:
-            return None
-        return min(1.0, held / capacity)
+        view = _cache_view(endpoint, held_anything)
+        return None if view is None else min(1.0, view[1] / view[0])
 
     @staticmethod
     def _free_room(endpoint: Endpoint, held_anything: Mapping[str, int] | None) -> int:
         """Tokens of ``endpoint``'s cache holding nothing: a write that fits there displaces
         nothing (0 when the index or the capacity is unknown)."""
-        capacity = _capacity(endpoint)
-        held = None if held_anything is None else held_anything.get(endpoint.address)
-        if capacity is None or held is None:
-            return 0
-        return max(0, capacity - held)
+        view = _cache_view(endpoint, held_anything)
+        return 0 if view is None else max(0, view[0] - view[1])
 
     def _kv_need(
         self, endpoint: Endpoint, keys: list[int] | None, total: int, uncached: int
@@ -493,11 +498,6 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
         matched: Mapping[str, int] = request.data.get(PREFIX_MATCHED_BLOCKS) or {}
         if keys:
-            self.new_content.observe(
-                keys,
-                _block_tokens(endpoint, request.prompt_tokens, keys),
-                continues=self.sessions.continues(keys),
-            )
             blocks = endpoint.metrics.num_gpu_blocks
             self.tail.observe(endpoint.address, keys, blocks - 1 if blocks else None)
             rates = self.rates.rates()
@@ -506,7 +506,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 endpoint, request.prompt_tokens, keys
             ) * len(keys)
             self.active.start(request.request_id, endpoint.address, keys, partial + answer)
-        self.sessions.observe(
+        continued = self.sessions.observe(
             keys,
             endpoint.address,
             pods=len(result.profiles[result.primary_profile].scores),  # the candidates
@@ -515,6 +515,10 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             # ends within a shared prefix's last block leaves no conversation tip.
             new_tip=keys is not None and max(matched.values(), default=0) < len(keys),
         )
+        if keys:
+            self.new_content.observe(
+                keys, _block_tokens(endpoint, request.prompt_tokens, keys), continues=continued
+            )
 
     def response_complete(self, request: LLMRequest, endpoint: str, usage: Usage | None) -> None:
         self.active.finish(request.request_id)

@@ -84,10 +84,11 @@ class SessionTracker:
         pods: int,
         uncached: int,
         new_tip: bool = True,
-    ) -> None:
+    ) -> bool:
         """A request routed to ``endpoint`` (one of ``pods``) with prompt block keys ``keys``
         (None: unknown), ``uncached`` of its prompt tokens not cached there; ``new_tip``: no pod
-        held its last full block yet (else it is no conversation's tip: see `observe`)."""
+        held its last full block yet (else it is no conversation's tip: see `observe`).
+        Returns whether it continued a conversation (`continues` before this call)."""
         # Shares start at 0 and move by exponential weights over _MEMORY_PER_POD requests per
         # pod: a few requests on one pod at start-up are not yet an imbalance.
         alpha = 1.0 / (_MEMORY_PER_POD * max(1, pods))
@@ -101,7 +102,7 @@ class SessionTracker:
         self._uncached += mean * (uncached - self._uncached)
         self._expire()
         if not keys:
-            return
+            return False
         tips = self._tips
         # A continuation holds an earlier tip before its own last block.  A tip continues once:
         # the next turn of a conversation extends it, and then that turn's own tip; a tip that
@@ -124,7 +125,7 @@ class SessionTracker:
                 else self._distance + mean * (distance - self._distance)
             )
         if not new_tip:
-            return
+            return continued
         written = uncached
         if previous is not None and previous.endpoint == endpoint:
             written += previous.written
@@ -135,6 +136,7 @@ class SessionTracker:
         self._footprints[endpoint] = self._footprints.get(endpoint, 0) + written
         if len(tips) > _TIPS:
             self._drop(tips.popitem(last=False)[1])
+        return continued
 
     def _drop(self, tip: _Tip) -> None:
         """``tip``'s footprint no longer counts."""
