@@ -9,8 +9,8 @@ nothing.  `NewContentReuse` counts, of the tokens requests brought first, the sh
 request named again: the probability that a token of new content will be reused.
 
 Reuse by a request that continues a conversation (`scorers.sessions`) does not count, nor does
-the new content of such a request: a conversation's later turns are placed by the sessions
-term, and counting them here would charge a new conversation twice.
+the new content of such a request: a conversation's turns reuse what it wrote and bring no
+other request to its pod, so where its first turn lands commits nobody else's load.
 
 Both counts are exponentially weighted over the requests observed, so the share follows a
 workload that changes; the reuse of a request's content is counted when it happens (later), so

@@ -11,7 +11,6 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
                       + wait_e / p )         (the request does not fit in e's KV cache)
            + (uncachedTokenWeight − uncomputedTokenWeight)
              · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
-           + F · (uncachedTokenWeight − 1) · ū · N · (demand_e − min demand)
            + (uncomputedTokenWeight − 1) · uncached_e · (N · share_e − 1)⁺
            + (uncachedTokenWeight − uncomputedTokenWeight) · ρ · new · (fill_e − min fill)
 
@@ -49,20 +48,6 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   the fastest pod (slower hardware, a noisy neighbour): it scales the time ``e`` would take,
   not the eviction, which is paid by other requests later.  A factor rather than a price, so a
   pod holding the whole prompt stays the cheap choice unless it is many times slower.
-* ``F``: the follow-ups a request brings to the pod that gets it (`scorers.sessions`): learned
-  from how many requests continue an earlier one (a chat turn resends the conversation), 0 on
-  a fleet of one-off prompts.  ``ū``: uncached tokens per routed request; ``demand_e``: ``e``'s
-  share of the cache its live conversations hold (`SessionTracker.footprint_shares`: the
-  tokens they wrote there, over its capacity), over ``N`` pods.  A new conversation commits its
-  later turns to the pod it lands on, and the tokens each adds there cost what a copied token
-  costs beyond its own prefill (``uncachedTokenWeight − 1``: the delay it imposes and what it
-  evicts) on a pod whose conversations already claim more of its cache: conversations start
-  where their cache has room, at the price of copying a shared system prompt.  (Request shares
-  were the proxy before: on real vLLM-CPU a pod taking no more requests than the others but
-  longer conversations evicted them, each conversation's next turn being its least recently
-  used.)  Only a new conversation pays it (``F`` is 0 for a request that continues a known
-  one): a conversation already cached stays where it is, since moving it copies it and
-  leaves the old copy crowding out others.
 * The share term: a pod taking more than its share of the requests (``share_e``, its recent
   share of the routed requests, over an even share ``1 / N``) is busier than its requests in
   flight show, so the delay an uncached token imposes there grows with the excess, as with
@@ -72,8 +57,8 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   vLLM (the mixed workload).
 * The placement term places new content that later requests will share.  ``ρ``: the share of the
   tokens requests brought first that a later request named again (`scorers.new_content`;
-  continued conversations aside, they are the sessions term's), about 0 on a fleet of one-off
-  prompts.  ``fill_e``: the share of ``e``'s cache the index says holds anything.  The requests
+  continued conversations aside: a conversation's turns reuse what it wrote, and that brings
+  no other request to its pod), about 0 on a fleet of one-off prompts.  ``fill_e``: the share of ``e``'s cache the index says holds anything.  The requests
   that share a new prefix (a group's system prompt and its questions) follow it to the pod it
   lands on, so where the first lands places them all; on a fuller cache it evicts, and is
   evicted, sooner, as the eviction premium prices.  Placed by the load of the moment instead,
@@ -82,6 +67,12 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   4/4/4.  Without ``ρ`` the term sent one-off prompts to empty pods over idle ones (no-reuse
   and trace cells lost p90).  Left out while any candidate's capacity or index view is
   unknown.
+* No term places a new conversation by the turns it will bring.  One did (the cache its live
+  conversations held on each pod, over its capacity, times the follow-ups learned from
+  continuations); at the routing matrix's full length it cost hit rate and TTFT p90 on every
+  multi-turn shape it was measured on, from 4k-token CPU pods to 16 H100s
+  (docs/routing-results.md, fourteenth session): the queues and the share term spread the
+  later turns as they come.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
   ``vllm:cache_config_info``), plus what this EPP routed there since, minus what finished since;
@@ -217,9 +208,6 @@ class CostTerms(NamedTuple):
     slowness: float
     """What the pod's slowness adds to its own terms (prefill, queued, in flight, KV wait)."""
     kv_wait: float
-    sessions: float
-    """The follow-ups a new session would bring to a pod whose cache its conversations
-    already claim more of."""
     share: float
     """The delay a pod taking more than its share of the requests imposes."""
     placement: float
@@ -314,28 +302,14 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             1.0, sum(e.load.in_flight_requests for e in endpoints) / max(1, len(endpoints))
         )
         footprint = total + (rates.output_tokens or 0.0 if rates else 0.0)
-        # A new session's later turns go where it goes: each adds its uncached tokens there,
-        # which delay the requests there and evict what they displace (a copied token's price
-        # beyond its own prefill) in proportion to how much more of its cache that pod's live
-        # conversations claim than the least claimed pod's do.
         keys: list[int] | None = request.data.get(PREFIX_BLOCK_KEYS)
-        # Only a new conversation is placed here: a continuing one is where its prefix is, and
-        # moving it for the load its later turns bring copies it and leaves the old copy to
-        # crowd out others (real vLLM-CPU, multi-turn: 8 of the default's 14 moves of a
-        # conversation away from the pod holding most of it were for this term).
-        followups = self.sessions.expected_followups
+        # A conversation's next turn is placed by its prefix like any request; only new content
+        # that other requests will share is placed by the pods' cache fill (the tips are looked
+        # up only on a fleet where that charge applies).
         reuse = self.new_content.rate
-        # (The tips are looked up only on a fleet where either charge applies.)
-        if (followups or reuse) and self.sessions.continues(keys):
-            followups = reuse = 0.0
-        future = followups * max(0.0, p.uncachedTokenWeight - 1.0) * self.sessions.uncached
+        if reuse and self.sessions.continues(keys):
+            reuse = 0.0
         shares = {e.address: self.sessions.share(e.address) for e in endpoints}
-        demand = (
-            self.sessions.footprint_shares({e.address: _capacity(e) for e in endpoints})
-            if future
-            else dict.fromkeys(shares, 0.0)
-        )
-        least_demand = min(demand.values(), default=0.0)
         free = {e.address: self._free_room(e, held_anything) for e in endpoints}
         # Tokens no pod has computed (per the KV events) are written wherever the request goes:
         # what they must evict on the roomiest pod is no reason to prefer one pod.  Beyond that,
@@ -378,7 +352,6 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 in_flight=running,
                 slowness=(slow.get(address, 1.0) - 1.0) * own_time,
                 kv_wait=kv_wait,
-                sessions=future * len(endpoints) * (demand[address] - least_demand),
                 placement=spread * ((fills[address] or 0.0) - least_fill),
                 share=delay * uncached * max(0.0, len(endpoints) * shares[address] - 1.0),
             )
@@ -510,7 +483,6 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             keys,
             endpoint.address,
             pods=len(result.profiles[result.primary_profile].scores),  # the candidates
-            uncached=uncached,
             # Its last full block is its own only if no pod holds it yet: a prompt whose text
             # ends within a shared prefix's last block leaves no conversation tip.
             new_tip=keys is not None and max(matched.values(), default=0) < len(keys),

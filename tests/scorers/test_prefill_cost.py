@@ -256,27 +256,26 @@ def test_removed_parameters_say_what_replaced_them() -> None:
         make("prefill-cost-scorer", {"uncachedTokenWeight": 2, "uncomputedTokenWeight": 3})
 
 
-def test_only_a_new_conversation_pays_for_the_turns_it_will_bring() -> None:
-    """A new conversation commits its later turns to the pod it lands on, so it avoids one
-    taking more than its share; a conversation already there continues there: moving it for
-    its later turns would copy it and leave the old copy crowding out others."""
+def test_a_conversation_stays_where_it_is_and_a_new_one_goes_where_fewer_requests_went() -> None:
+    """A conversation's next turn stays on the pod holding it, even one that took more than its
+    share of the requests; a new conversation brings its whole prompt, and the share term sends
+    it to the pod that took fewer."""
     scorer = make("prefill-cost-scorer")
     for conversation in range(16):  # five-turn chats, three in four of them on "busy"
         pod = "idle" if conversation % 4 == 0 else "busy"
         for turn in range(1, 6):
             keys = [1000 * conversation + block for block in range(4 * turn)]
-            scorer.sessions.observe(keys, pod, pods=2, uncached=64)
-    assert scorer.sessions.expected_followups > 2
+            scorer.sessions.observe(keys, pod, pods=2)
+    assert scorer.sessions.share("busy") > scorer.sessions.share("idle")
     pods = [ep("busy"), ep("idle")]
     ongoing = prompt(400, {"busy": 384})
     ongoing.data[PREFIX_BLOCK_KEYS] = [1000 * 15 + block for block in range(24)]
-    terms = scorer.cost_terms(ongoing, pods)
-    assert terms["busy"].sessions == 0 and terms["idle"].sessions == 0
     assert best(scorer.score(ongoing, pods)) == "busy"
     new = prompt(400)
     new.data[PREFIX_BLOCK_KEYS] = [99_000 + block for block in range(24)]
     terms = scorer.cost_terms(new, pods)
-    assert terms["busy"].sessions > 0 and terms["idle"].sessions == 0
+    assert terms["busy"].share > 0 and terms["idle"].share == 0
+    assert terms["busy"].prefill == terms["idle"].prefill
     assert best(scorer.score(new, pods)) == "idle"
 
 
