@@ -58,10 +58,11 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
 * The placement term places new content that later requests will share.  ``ρ``: the share of the
   tokens requests brought first that a later request named again (`scorers.new_content`;
   continued conversations aside: a conversation's turns reuse what it wrote, and that brings
-  no other request to its pod), about 0 on a fleet of one-off prompts.  ``fill_e``: the share of ``e``'s cache the index says holds anything.  The requests
-  that share a new prefix (a group's system prompt and its questions) follow it to the pod it
-  lands on, so where the first lands places them all; on a fuller cache it evicts, and is
-  evicted, sooner, as the eviction premium prices.  Placed by the load of the moment instead,
+  no other request to its pod), about 0 on a fleet of one-off prompts.  ``fill_e``: the share
+  of ``e``'s cache the index says holds anything.  The requests that share a new prefix (a
+  group's system prompt and its questions) follow it to the pod it lands on, so where the
+  first lands places them all; on a fuller cache it evicts, and is evicted, sooner, as the
+  eviction premium prices.  Placed by the load of the moment instead,
   the A100 shared-prefix matrix cell's 12 system prompts sat 3/4/5 per pod (requests
   116/206/234), and the pod with five evicted more of their questions; with this term they sit
   4/4/4.  Without ``ρ`` the term sent one-off prompts to empty pods over idle ones (no-reuse
@@ -69,9 +70,10 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   unknown.
 * No term places a new conversation by the turns it will bring.  One did (the cache its live
   conversations held on each pod, over its capacity, times the follow-ups learned from
-  continuations); at the routing matrix's full length it cost hit rate and TTFT p90 on every
-  multi-turn shape it was measured on, from 4k-token CPU pods to 16 H100s
-  (docs/routing-results.md, fourteenth session): the queues and the share term spread the
+  continuations); at the routing matrix's full length it cost 0.2-0.65 points of hit rate on
+  the multi-turn cells, from 4k-token CPU pods to 16 H100s, for a TTFT p90 within 1 % on their
+  geometric mean (better on some fleets, worse on the 3-pod A100;
+  docs/routing-results.md, fourteenth session): the queues and the share term spread the
   later turns as they come.
 * ``wait_e``: KV room.  ``e`` holds ``used_e`` tokens for running requests: what it reported
   (``kv_cache_usage`` × its capacity, ``num_gpu_blocks`` × ``block_size`` from
