@@ -3,6 +3,11 @@
     python -m benchmarks.matrix                                  # the whole grid (hours)
     python -m benchmarks.matrix --profiles tiny-cpu --pods 3 --workloads shared-prefix --quick
     python -m benchmarks.matrix --json matrix.json --markdown matrix.md
+    python -m benchmarks.matrix --reuse OLD.json.gz --rerun default --compare OLD.json.gz
+    python -m benchmarks.matrix --reuse A.json --reuse B.json --rerun '' --json AB.json.gz
+
+The third replays only the default over an earlier report's cells and prints, per cell, its
+verdict before and after (`benchmarks.matrix_report`); the fourth joins two reports.
 
 A cell is a hardware profile × a fleet size × a workload × a load; each cell is replayed
 (`benchmarks.replay`: the product's own director and scheduler in virtual time, scraped
@@ -32,11 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from array import array
@@ -46,6 +48,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks import workloads
+from benchmarks.matrix_report import (
+    Cell,
+    CellResult,
+    compare,
+    format_verdicts,
+    load_results,
+    markdown,
+    report_cells,
+    verdicts,
+)
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.policies import POLICIES
 from benchmarks.replay import FleetSpec, PolicySummary, Replay
@@ -86,18 +98,6 @@ SHAPES: dict[str, Shape] = {
     "llama3-8b-a100-32k": Shape(16, 3000, 600, 300, 1000, 200, 150, 10.0, 2000, 150, 1 / 4),
     "llama3-8b-h100": Shape(16, 6000, 1200, 1000, 2000, 400, 300, 20.0, 4000, 250, 1.0),
 }
-
-
-@dataclass(frozen=True)
-class Cell:
-    profile: str
-    pods: int
-    workload: str
-    load: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.profile} × {self.pods} pods, {self.workload}, load {self.load:g}"
 
 
 def fleet_for(cell: Cell) -> FleetSpec:
@@ -183,15 +183,6 @@ def build_workload(cell: Cell, seed: int, duration: float, trace: Path) -> Workl
     return workloads.within(make(rate), profile.max_model_len)
 
 
-@dataclass
-class CellResult:
-    cell: Cell
-    seed: int
-    requests: int
-    oracle_hit_rate: float
-    policies: dict[str, PolicySummary]
-
-
 def run_cell(task: tuple[Cell, int, float, str, tuple[str, ...]]) -> CellResult:
     """Every policy on one cell and seed, in this process (block keys hashed once)."""
     cell, seed, duration, trace, names = task
@@ -213,114 +204,6 @@ def run_cell(task: tuple[Cell, int, float, str, tuple[str, ...]]) -> CellResult:
         replay = Replay(workload, keys, fleet, POLICIES[name].config_yaml, policy=name, seed=seed)
         summaries[name] = PolicySummary.of(asyncio.run(replay.run()), warmup)
     return CellResult(cell, seed, len(workload.requests), oracle, summaries)
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdict
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The default against the best policy in one cell, averaged over seeds."""
-
-    cell: Cell
-    default_hit: float
-    best_hit: float
-    best_hit_policy: str
-    default_p90: float
-    best_p90: float
-    best_p90_policy: str
-    least_loaded_p90: float | None
-    oracle: float
-
-    @property
-    def hit_ok(self) -> bool:
-        return self.default_hit >= 0.97 * self.best_hit
-
-    @property
-    def p90_ok(self) -> bool:
-        return self.default_p90 <= 1.03 * self.best_p90
-
-    @property
-    def no_reuse_ok(self) -> bool:
-        if self.cell.workload != "no-reuse" or self.least_loaded_p90 is None:
-            return True
-        return self.default_p90 <= 1.03 * self.least_loaded_p90
-
-    @property
-    def passed(self) -> bool:
-        return self.hit_ok and self.p90_ok and self.no_reuse_ok
-
-
-def verdicts(results: Sequence[CellResult]) -> list[Verdict]:
-    by_cell: dict[Cell, list[CellResult]] = {}
-    for r in results:
-        by_cell.setdefault(r.cell, []).append(r)
-    out = []
-    for cell, runs in by_cell.items():
-        names = list(runs[0].policies)
-
-        def mean(name: str, attr: str, runs: list[CellResult] = runs) -> float:
-            return statistics.fmean(getattr(r.policies[name], attr) for r in runs)
-
-        hits = {n: mean(n, "hit_rate") for n in names}
-        p90s = {n: mean(n, "ttft_p90") for n in names}
-        best_hit = max(hits, key=lambda n: hits[n])
-        best_p90 = min(p90s, key=lambda n: p90s[n])
-        out.append(
-            Verdict(
-                cell=cell,
-                default_hit=hits.get("default", math.nan),
-                best_hit=hits[best_hit],
-                best_hit_policy=best_hit,
-                default_p90=p90s.get("default", math.nan),
-                best_p90=p90s[best_p90],
-                best_p90_policy=best_p90,
-                least_loaded_p90=p90s.get("least-loaded"),
-                oracle=statistics.fmean(r.oracle_hit_rate for r in runs),
-            )
-        )
-    return out
-
-
-def format_verdicts(items: Sequence[Verdict]) -> str:
-    header = (
-        f"{'profile':<20}{'pods':>5} {'workload':<14}{'load':>5}{'hit':>8}{'best hit':>9} "
-        f"{'(policy)':<17}{'p90 s':>9}{'best p90':>10} {'(policy)':<17}{'ok':>5}"
-    )
-    lines = [header, "-" * len(header)]
-    for v in items:
-        c = v.cell
-        flags = (
-            ("" if v.hit_ok else "H") + ("" if v.p90_ok else "T") + ("" if v.no_reuse_ok else "L")
-        )
-        lines.append(
-            f"{c.profile:<20}{c.pods:>5} {c.workload:<14}{c.load:>5.1f}{v.default_hit:>8.1%}"
-            f"{v.best_hit:>9.1%} {v.best_hit_policy:<17}{v.default_p90:>9.3f}{v.best_p90:>10.3f} "
-            f"{v.best_p90_policy:<17}{'yes' if v.passed else 'NO ' + flags:>5}"
-        )
-    passed = sum(v.passed for v in items)
-    lines.append(
-        f"{passed} of {len(items)} cells pass (H: hit rate < 97 % of the best, T: TTFT p90 > "
-        "1.03 × the best, L: no reuse, p90 > 1.03 × least-loaded)"
-    )
-    return "\n".join(lines)
-
-
-def markdown(items: Sequence[Verdict]) -> str:
-    lines = [
-        "| profile | pods | workload | load | default hit | best hit (policy) | default p90 s "
-        "| best p90 s (policy) | pass |",
-        "|---|---:|---|---:|---:|---|---:|---|---|",
-    ]
-    for v in items:
-        c = v.cell
-        lines.append(
-            f"| {c.profile} | {c.pods} | {c.workload} | {c.load:g} | {v.default_hit:.1%} | "
-            f"{v.best_hit:.1%} ({v.best_hit_policy}) | {v.default_p90:.3f} | {v.best_p90:.3f} "
-            f"({v.best_p90_policy}) | {'yes' if v.passed else '**no**'} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def _numbers(
@@ -369,12 +252,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--reuse",
         type=Path,
-        default=None,
-        help="an earlier --json report of the same cells, durations and seeds: its results are "
-        "taken instead of replaying again, except for the policies in --rerun",
+        action="append",
+        default=[],
+        help="an earlier --json report (.json or .json.gz) of the same duration: its results "
+        "are taken instead of replaying again, except for the policies in --rerun; repeat it "
+        "to join reports (a later one's (cell, seed) wins)",
     )
     parser.add_argument(
-        "--rerun", default="default", help="policies replayed even when --reuse has them"
+        "--rerun",
+        default="default",
+        help="policies replayed even when --reuse has them ('' replays none: a join of reports)",
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="an earlier --json report: print, per cell both have, the default's hit rate, "
+        "TTFT p90 and verdict there and here",
     )
     args = parser.parse_args(argv)
     try:
@@ -406,24 +300,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _reused(args: argparse.Namespace) -> dict[tuple[Cell, int], CellResult]:
-    """(cell, seed) → the earlier report's results, minus the policies to replay again."""
+    """(cell, seed) → the earlier reports' results, minus the policies to replay again."""
     rerun = {n.strip() for n in args.rerun.split(",") if n.strip()}
-    report = json.loads(args.reuse.read_text())
-    if report.get("duration") not in (None, args.duration):
-        raise SystemExit(
-            f"--reuse {args.reuse} was run with --duration {report['duration']}, not {args.duration}"
-        )
     out = {}
-    for entry in report["cells"]:
-        cell = Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"])
-        policies = {
-            name: PolicySummary(**summary)
-            for name, summary in entry["policies"].items()
-            if name not in rerun
-        }
-        out[(cell, entry["seed"])] = CellResult(
-            cell, entry["seed"], entry["requests"], entry["oracle_hit_rate"], policies
-        )
+    for path in args.reuse:
+        duration, results = load_results(path)
+        if duration not in (None, args.duration):
+            raise SystemExit(
+                f"--reuse {path} was run with --duration {duration:g}, not {args.duration:g}"
+            )
+        for result in results:
+            result.policies = {n: s for n, s in result.policies.items() if n not in rerun}
+            out[(result.cell, result.seed)] = result
     return out
 
 
@@ -436,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for workload in args.workload_list
         for load in args.load_list
     ]
-    reused = _reused(args) if args.reuse is not None else {}
+    reused = _reused(args)
+    baseline = load_results(args.compare)[1] if args.compare is not None else None
     tasks = []
     results: list[CellResult] = []
     for cell in cells:
@@ -457,14 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     jobs = max(1, min(args.jobs, len(tasks) or 1))
     with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
-        for result in pool.imap_unordered(run_cell, tasks):
+        for done, result in enumerate(pool.imap_unordered(run_cell, tasks), 1):
             old = reused.get((result.cell, result.seed))
             if old is not None:
                 result.policies = {**old.policies, **result.policies}
             results.append(result)
             default = result.policies.get("default")
             print(
-                f"  [{len(results)}/{len(tasks)} {time.perf_counter() - started:.0f} s] "
+                f"  [{done}/{len(tasks)} {time.perf_counter() - started:.0f} s] "
                 f"{result.cell.label}, seed {result.seed}: "
                 + (
                     f"default hit {default.hit_rate:.1%} p90 {default.ttft_p90:.3f} s"
@@ -474,28 +363,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     order = {cell: i for i, cell in enumerate(cells)}
+    results.sort(key=lambda r: (order[r.cell], r.seed))
     if args.detail:
-        for r in sorted(results, key=lambda r: (order[r.cell], r.seed)):
+        for r in results:
             print(f"\n{r.cell.label}, seed {r.seed} ({r.requests} requests)")
             print(format_table(list(r.policies.values()), r.oracle_hit_rate))
-    items = sorted(verdicts(results), key=lambda v: order[v.cell])
+    items = verdicts(results)
     print()
     print(format_verdicts(items))
+    if baseline is not None:
+        print(f"\nThe default against {args.compare}:")
+        print(compare(baseline, results))
     print(f"\n{time.perf_counter() - started:.0f} s wall")
     report: dict[str, Any] = {
         "command": command_line("benchmarks.matrix", argv),
         "date": time.strftime("%Y-%m-%d"),
         "duration": args.duration,
-        "cells": [
-            {
-                **asdict(r.cell),
-                "seed": r.seed,
-                "requests": r.requests,
-                "oracle_hit_rate": r.oracle_hit_rate,
-                "policies": {n: asdict(s) for n, s in r.policies.items()},
-            }
-            for r in results
-        ],
+        "cells": report_cells(results),
         "verdicts": [
             {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok} for v in items
         ],

@@ -1,8 +1,10 @@
 """The files a benchmark run leaves behind: its ``--json`` report, written the same way by every
-benchmark, the command line that reproduces it, and its tables as Markdown (``--markdown``)."""
+benchmark (gzipped when the name ends in ``.gz``: reports kept in the repository), the command
+line that reproduces it, and its tables as Markdown (``--markdown``)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -21,7 +23,19 @@ def write_json(path: Path | None, report: Any) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    text = json.dumps(report, indent=2) + "\n"
+    if path.suffix == ".gz":
+        # mtime 0: the same report gives the same bytes, so a kept report changes in git only
+        # when its numbers do.
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
+
+
+def read_json(path: Path) -> Any:
+    """A report `write_json` wrote, gzipped or not."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 def write_markdown(path: Path | None, render: Callable[[], str]) -> None:

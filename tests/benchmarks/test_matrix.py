@@ -1,4 +1,5 @@
-"""benchmarks.matrix: workloads shaped per profile, load counting decode, the verdict, reuse."""
+"""benchmarks.matrix: workloads shaped per profile, load counting decode, the verdict, reuse,
+reports kept gzipped and joined, and the before/after comparison of the default."""
 
 from __future__ import annotations
 
@@ -8,8 +9,18 @@ from pathlib import Path
 import pytest
 
 from benchmarks import matrix
-from benchmarks.matrix import SHAPES, Cell, CellResult, Verdict, build_workload, verdicts
+from benchmarks.matrix import SHAPES, build_workload
+from benchmarks.matrix_report import (
+    Cell,
+    CellResult,
+    Verdict,
+    compare,
+    load_results,
+    report_cells,
+    verdicts,
+)
 from benchmarks.replay import PolicySummary
+from benchmarks.reports import write_json
 from simulator.profiles import get_profile
 
 TRACE = matrix.DEFAULT_TRACE
@@ -114,3 +125,70 @@ def test_a_list_that_is_not_numbers_is_a_usage_error(capsys: pytest.CaptureFixtu
         matrix.parse_args(["--seeds", "0,one"])
     assert exit_info.value.code == 2
     assert "--seeds takes comma-separated numbers, got '0,one'" in capsys.readouterr().err
+
+
+def _results(cell: Cell, default_hit: float, default_p90: float) -> list[CellResult]:
+    return [
+        CellResult(
+            cell,
+            seed,
+            100,
+            0.99,
+            {
+                "default": _summary("default", default_hit, default_p90),
+                "sglang": _summary("sglang", 0.80, 0.100),
+            },
+        )
+        for seed in (0, 1)
+    ]
+
+
+def test_compare_names_the_cells_a_change_fixed_and_broke() -> None:
+    a = Cell("tiny-cpu", 3, "multi-turn", 0.5)
+    b = Cell("tiny-cpu", 6, "multi-turn", 0.5)
+    c = Cell("llama3-8b-h100", 3, "trace", 0.9)
+    before = [*_results(a, 0.70, 0.200), *_results(b, 0.80, 0.100), *_results(c, 0.8, 0.1)]
+    after = [*_results(a, 0.80, 0.100), *_results(b, 0.70, 0.100)]  # c not rerun
+    lines = compare(before, after).splitlines()
+    assert len(lines) == 5  # header, rule, two cells, totals: only cells both reports have
+    assert lines[2].startswith("tiny-cpu") and lines[2].endswith("no -> yes FIXED")
+    assert lines[3].endswith("yes -> no BROKEN")  # 0.70 < 0.97 × 0.80
+    # Hit +10 and -10 points; p90 halved and unchanged: geometric mean sqrt(0.5).
+    assert lines[4] == (
+        "1 -> 1 of 2 cells pass; the default's hit rate +0.00 points on the mean, its TTFT "
+        "p90 × 0.7071 on the geometric mean"
+    )
+    assert compare(before, _results(Cell("tiny-cpu", 16, "trace", 0.5), 0.8, 0.1)) == (
+        "no cell of this run is in the compared report"
+    )
+
+
+def test_reports_are_kept_gzipped_and_joined_by_reuse(tmp_path: Path) -> None:
+    a = Cell("tiny-cpu", 2, "no-reuse", 0.5)
+    b = Cell("tiny-cpu", 2, "trace", 0.5)
+    older, newer = tmp_path / "older.json.gz", tmp_path / "newer.json"
+    write_json(older, {"duration": 20.0, "cells": report_cells(_results(a, 0.5, 0.2))})
+    write_json(
+        newer,
+        {"duration": 20.0, "cells": report_cells([*_results(a, 0.6, 0.3), *_results(b, 0.1, 1)])},
+    )
+    assert older.read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic
+    assert load_results(older) == (20.0, _results(a, 0.5, 0.2))
+    args = matrix.parse_args(
+        ["--duration", "20", "--reuse", str(older), "--reuse", str(newer), "--rerun", ""]
+    )
+    reused = matrix._reused(args)
+    assert set(reused) == {(a, 0), (a, 1), (b, 0), (b, 1)}
+    assert reused[(a, 0)].policies["default"].hit_rate == 0.6  # the later report wins
+    # --rerun keeps the replayed policies out of what is reused.
+    rerun = matrix._reused(matrix.parse_args(["--duration", "20", "--reuse", str(older)]))
+    assert set(rerun[(a, 0)].policies) == {"sglang"}
+    # A report of another duration, or a file that is not a report, is a clear error.
+    with pytest.raises(SystemExit, match="was run with --duration 20, not 60"):
+        matrix._reused(matrix.parse_args(["--duration", "60", "--reuse", str(older)]))
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"cells": [{"profile": "tiny-cpu"}]}')
+    with pytest.raises(SystemExit, match=r"is not a benchmarks\.matrix --json report"):
+        load_results(junk)
+    with pytest.raises(SystemExit, match="cannot read the matrix report"):
+        load_results(tmp_path / "missing.json.gz")

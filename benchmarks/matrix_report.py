@@ -1,0 +1,228 @@
+"""What a `benchmarks.matrix` run leaves: its cells and their results, the verdict on each cell,
+the report it writes, and the comparison of the default's verdicts with an earlier report's.
+
+    python -m benchmarks.matrix --reuse BASE.json.gz --rerun default --compare BASE.json.gz
+
+replays only the default over the cells of a kept report and prints, cell by cell, what the
+change did to the default's hit rate, TTFT p90 and verdict (the closing note's before/after).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.replay import PolicySummary
+from benchmarks.reports import read_json
+
+
+@dataclass(frozen=True)
+class Cell:
+    profile: str
+    pods: int
+    workload: str
+    load: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.profile} × {self.pods} pods, {self.workload}, load {self.load:g}"
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    seed: int
+    requests: int
+    oracle_hit_rate: float
+    policies: dict[str, PolicySummary]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The default against the best policy in one cell, averaged over seeds."""
+
+    cell: Cell
+    default_hit: float
+    best_hit: float
+    best_hit_policy: str
+    default_p90: float
+    best_p90: float
+    best_p90_policy: str
+    least_loaded_p90: float | None
+    oracle: float
+
+    @property
+    def hit_ok(self) -> bool:
+        return self.default_hit >= 0.97 * self.best_hit
+
+    @property
+    def p90_ok(self) -> bool:
+        return self.default_p90 <= 1.03 * self.best_p90
+
+    @property
+    def no_reuse_ok(self) -> bool:
+        if self.cell.workload != "no-reuse" or self.least_loaded_p90 is None:
+            return True
+        return self.default_p90 <= 1.03 * self.least_loaded_p90
+
+    @property
+    def passed(self) -> bool:
+        return self.hit_ok and self.p90_ok and self.no_reuse_ok
+
+
+def verdicts(results: Sequence[CellResult]) -> list[Verdict]:
+    by_cell: dict[Cell, list[CellResult]] = {}
+    for r in results:
+        by_cell.setdefault(r.cell, []).append(r)
+    out = []
+    for cell, runs in by_cell.items():
+        names = list(runs[0].policies)
+
+        def mean(name: str, attr: str, runs: list[CellResult] = runs) -> float:
+            return statistics.fmean(getattr(r.policies[name], attr) for r in runs)
+
+        hits = {n: mean(n, "hit_rate") for n in names}
+        p90s = {n: mean(n, "ttft_p90") for n in names}
+        best_hit = max(hits, key=lambda n: hits[n])
+        best_p90 = min(p90s, key=lambda n: p90s[n])
+        out.append(
+            Verdict(
+                cell=cell,
+                default_hit=hits.get("default", math.nan),
+                best_hit=hits[best_hit],
+                best_hit_policy=best_hit,
+                default_p90=p90s.get("default", math.nan),
+                best_p90=p90s[best_p90],
+                best_p90_policy=best_p90,
+                least_loaded_p90=p90s.get("least-loaded"),
+                oracle=statistics.fmean(r.oracle_hit_rate for r in runs),
+            )
+        )
+    return out
+
+
+def format_verdicts(items: Sequence[Verdict]) -> str:
+    header = (
+        f"{'profile':<20}{'pods':>5} {'workload':<14}{'load':>5}{'hit':>8}{'best hit':>9} "
+        f"{'(policy)':<17}{'p90 s':>9}{'best p90':>10} {'(policy)':<17}{'ok':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for v in items:
+        c = v.cell
+        flags = (
+            ("" if v.hit_ok else "H") + ("" if v.p90_ok else "T") + ("" if v.no_reuse_ok else "L")
+        )
+        lines.append(
+            f"{c.profile:<20}{c.pods:>5} {c.workload:<14}{c.load:>5.1f}{v.default_hit:>8.1%}"
+            f"{v.best_hit:>9.1%} {v.best_hit_policy:<17}{v.default_p90:>9.3f}{v.best_p90:>10.3f} "
+            f"{v.best_p90_policy:<17}{'yes' if v.passed else 'NO ' + flags:>5}"
+        )
+    passed = sum(v.passed for v in items)
+    lines.append(
+        f"{passed} of {len(items)} cells pass (H: hit rate < 97 % of the best, T: TTFT p90 > "
+        "1.03 × the best, L: no reuse, p90 > 1.03 × least-loaded)"
+    )
+    return "\n".join(lines)
+
+
+def markdown(items: Sequence[Verdict]) -> str:
+    lines = [
+        "| profile | pods | workload | load | default hit | best hit (policy) | default p90 s "
+        "| best p90 s (policy) | pass |",
+        "|---|---:|---|---:|---:|---|---:|---|---|",
+    ]
+    for v in items:
+        c = v.cell
+        lines.append(
+            f"| {c.profile} | {c.pods} | {c.workload} | {c.load:g} | {v.default_hit:.1%} | "
+            f"{v.best_hit:.1%} ({v.best_hit_policy}) | {v.default_p90:.3f} | {v.best_p90:.3f} "
+            f"({v.best_p90_policy}) | {'yes' if v.passed else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def report_cells(results: Sequence[CellResult]) -> list[dict[str, Any]]:
+    """``results`` as the report's ``cells`` list (what `load_results` reads back)."""
+    return [
+        {
+            **asdict(r.cell),
+            "seed": r.seed,
+            "requests": r.requests,
+            "oracle_hit_rate": r.oracle_hit_rate,
+            "policies": {n: asdict(s) for n, s in r.policies.items()},
+        }
+        for r in results
+    ]
+
+
+def load_results(path: Path) -> tuple[float | None, list[CellResult]]:
+    """An earlier ``--json`` report (``.json`` or ``.json.gz``): its arrival duration (None in
+    reports older than the field) and its results.  A file that is not such a report is a
+    ``SystemExit`` naming it and what is wrong, not a traceback."""
+    try:
+        report = read_json(path)
+        results = [
+            CellResult(
+                Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"]),
+                entry["seed"],
+                entry["requests"],
+                entry["oracle_hit_rate"],
+                {name: PolicySummary(**s) for name, s in entry["policies"].items()},
+            )
+            for entry in report["cells"]
+        ]
+    except OSError as exc:
+        raise SystemExit(f"cannot read the matrix report {path}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"{path} is not a benchmarks.matrix --json report ({type(exc).__name__}: {exc})"
+        ) from exc
+    return report.get("duration"), results
+
+
+def compare(before: Sequence[CellResult], after: Sequence[CellResult]) -> str:
+    """The default's verdict per cell in ``before`` and ``after`` (each judged against its own
+    report's policies), for the cells both have: hit rate and TTFT p90 before → after, the best
+    policy's after, and which cells the change fixed or broke; then the totals."""
+    old = {v.cell: v for v in verdicts(before)}
+    new = [v for v in verdicts(after) if v.cell in old]
+    if not new:
+        return "no cell of this run is in the compared report"
+    header = (
+        f"{'profile':<20}{'pods':>5} {'workload':<14}{'load':>5}{'hit before':>12}{'after':>8}"
+        f"{'best':>8}{'p90 before':>12}{'after':>9}{'best':>9}  verdict"
+    )
+    lines = [header, "-" * len(header)]
+    hit_changes: list[float] = []
+    p90_logs: list[float] = []
+    for v in new:
+        o, c = old[v.cell], v.cell
+        hit_changes.append(v.default_hit - o.default_hit)
+        if o.default_p90 > 0 and v.default_p90 > 0:
+            p90_logs.append(math.log(v.default_p90 / o.default_p90))
+        change = "" if o.passed == v.passed else " FIXED" if v.passed else " BROKEN"
+        lines.append(
+            f"{c.profile:<20}{c.pods:>5} {c.workload:<14}{c.load:>5.1f}{o.default_hit:>12.1%}"
+            f"{v.default_hit:>8.1%}{v.best_hit:>8.1%}{o.default_p90:>12.4f}{v.default_p90:>9.4f}"
+            f"{v.best_p90:>9.4f}  {'yes' if o.passed else 'no'} -> {'yes' if v.passed else 'no'}"
+            f"{change}"
+        )
+    geo = math.exp(statistics.fmean(p90_logs)) if p90_logs else math.nan
+    lines.append(
+        f"{sum(old[v.cell].passed for v in new)} -> {sum(v.passed for v in new)} of {len(new)} "
+        f"cells pass; the default's hit rate {100 * statistics.fmean(hit_changes):+.2f} points on "
+        f"the mean, its TTFT p90 × {geo:.4f} on the geometric mean"
+    )
+    return "\n".join(lines)
