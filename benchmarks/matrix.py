@@ -6,8 +6,8 @@
     python -m benchmarks.matrix --reuse OLD.json.gz --rerun default --compare OLD.json.gz
     python -m benchmarks.matrix --reuse A.json --reuse B.json --rerun '' --json AB.json.gz
 
-The third replays only the default over an earlier report's cells and prints, per cell, its
-verdict before and after (`benchmarks.matrix_report`); the fourth joins two reports.
+The fourth replays only the default over an earlier report's cells and prints, per cell, its
+verdict before and after (`benchmarks.matrix_report`); the fifth joins two reports.
 
 A cell is a hardware profile × a fleet size × a workload × a load; each cell is replayed
 (`benchmarks.replay`: the product's own director and scheduler in virtual time, scraped
@@ -256,7 +256,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         help="an earlier --json report (.json or .json.gz) of the same duration: its results "
         "are taken instead of replaying again, except for the policies in --rerun; repeat it "
-        "to join reports (a later one's (cell, seed) wins)",
+        "to join reports (a later one's numbers for a policy replace an earlier one's)",
     )
     parser.add_argument(
         "--rerun",
@@ -311,6 +311,9 @@ def _reused(args: argparse.Namespace) -> dict[tuple[Cell, int], CellResult]:
             )
         for result in results:
             result.policies = {n: s for n, s in result.policies.items() if n not in rerun}
+            earlier = out.get((result.cell, result.seed))
+            if earlier is not None:  # a later report's policies join (and replace) its own
+                result.policies = {**earlier.policies, **result.policies}
             out[(result.cell, result.seed)] = result
     return out
 

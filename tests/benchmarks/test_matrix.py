@@ -168,10 +168,10 @@ def test_reports_are_kept_gzipped_and_joined_by_reuse(tmp_path: Path) -> None:
     b = Cell("tiny-cpu", 2, "trace", 0.5)
     older, newer = tmp_path / "older.json.gz", tmp_path / "newer.json"
     write_json(older, {"duration": 20.0, "cells": report_cells(_results(a, 0.5, 0.2))})
-    write_json(
-        newer,
-        {"duration": 20.0, "cells": report_cells([*_results(a, 0.6, 0.3), *_results(b, 0.1, 1)])},
-    )
+    joined = [*_results(a, 0.6, 0.3), *_results(b, 0.1, 1)]
+    for result in joined:  # the newer report has the default alone, as a --policies default run
+        del result.policies["sglang"]
+    write_json(newer, {"duration": 20.0, "cells": report_cells(joined)})
     assert older.read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic
     assert load_results(older) == (20.0, _results(a, 0.5, 0.2))
     args = matrix.parse_args(
@@ -180,6 +180,8 @@ def test_reports_are_kept_gzipped_and_joined_by_reuse(tmp_path: Path) -> None:
     reused = matrix._reused(args)
     assert set(reused) == {(a, 0), (a, 1), (b, 0), (b, 1)}
     assert reused[(a, 0)].policies["default"].hit_rate == 0.6  # the later report wins
+    assert set(reused[(a, 0)].policies) == {"default", "sglang"}  # the earlier one's others stay
+    assert set(reused[(b, 0)].policies) == {"default"}
     # --rerun keeps the replayed policies out of what is reused.
     rerun = matrix._reused(matrix.parse_args(["--duration", "20", "--reuse", str(older)]))
     assert set(rerun[(a, 0)].policies) == {"sglang"}
