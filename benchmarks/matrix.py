@@ -302,7 +302,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _reused(args: argparse.Namespace) -> dict[tuple[Cell, int], CellResult]:
     """(cell, seed) → the earlier reports' results, minus the policies to replay again."""
     rerun = {n.strip() for n in args.rerun.split(",") if n.strip()}
-    out = {}
+    out: dict[tuple[Cell, int], CellResult] = {}
     for path in args.reuse:
         duration, results = load_results(path)
         if duration not in (None, args.duration):
@@ -348,6 +348,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     jobs = max(1, min(args.jobs, len(tasks) or 1))
+    order = {cell: i for i, cell in enumerate(cells)}
+
+    def report(complete: bool) -> dict[str, Any]:
+        results.sort(key=lambda r: (order[r.cell], r.seed))
+        return {
+            "command": command_line("benchmarks.matrix", argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "duration": args.duration,
+            "complete": complete,
+            "cells": report_cells(results),
+            "verdicts": [
+                {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok}
+                for v in verdicts(results)
+            ],
+        }
+
     with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
         for done, result in enumerate(pool.imap_unordered(run_cell, tasks), 1):
             old = reused.get((result.cell, result.seed))
@@ -365,8 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 flush=True,
             )
-    order = {cell: i for i, cell in enumerate(cells)}
-    results.sort(key=lambda r: (order[r.cell], r.seed))
+            # The report so far after every cell: a run of hours stopped part-way leaves what
+            # it measured (``--reuse`` it with ``--rerun ''`` to go on where it stopped).
+            write_json(args.json_out, report(complete=False))
+    final = report(complete=True)
     if args.detail:
         for r in results:
             print(f"\n{r.cell.label}, seed {r.seed} ({r.requests} requests)")
@@ -378,16 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nThe default against {args.compare}:")
         print(compare(baseline, results))
     print(f"\n{time.perf_counter() - started:.0f} s wall")
-    report: dict[str, Any] = {
-        "command": command_line("benchmarks.matrix", argv),
-        "date": time.strftime("%Y-%m-%d"),
-        "duration": args.duration,
-        "cells": report_cells(results),
-        "verdicts": [
-            {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok} for v in items
-        ],
-    }
-    write_json(args.json_out, report)
+    write_json(args.json_out, final)
     write_markdown(args.markdown, lambda: markdown(items))
     return 0
 

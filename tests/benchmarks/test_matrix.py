@@ -84,13 +84,23 @@ def test_verdict_compares_the_default_with_the_best_policy_per_cell() -> None:
 
 
 @pytest.mark.slow
-def test_a_small_grid_runs_and_a_second_run_reuses_all_but_the_default(tmp_path: Path) -> None:
+def test_a_small_grid_runs_and_a_second_run_reuses_all_but_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = tmp_path / "first.json"
     args = [
         "--profiles", "tiny-cpu", "--pods", "2", "--workloads", "no-reuse", "--loads", "0.5",
         "--seeds", "0", "--duration", "20", "--policies", "round-robin,default", "--jobs", "1",
     ]  # fmt: skip
+    written: list[bool] = []
+    monkeypatch.setattr(
+        matrix,
+        "write_json",
+        lambda path, report: (written.append(report["complete"]), write_json(path, report)),
+    )
     assert matrix.main([*args, "--json", str(first)]) == 0
+    # The report is written after every cell, so a run stopped part-way leaves what it measured.
+    assert written == [False, True]
     report = json.loads(first.read_text())
     (cell,) = report["cells"]
     assert set(cell["policies"]) == {"round-robin", "default"}
