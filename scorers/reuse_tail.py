@@ -43,6 +43,12 @@ class ReuseTail:
         while len(touches) > limit:
             touches.popitem(last=False)
 
+    def named(self, endpoint: str, key: int) -> int:
+        """How many requests routed to ``endpoint`` named block ``key`` (0 once it has left the
+        tail's memory)."""
+        touches = self._pods.get(endpoint)
+        return touches.get(key, 0) if touches else 0
+
     def reused_evicted(self, endpoint: str, blocks: int, keep: Collection[int] = ()) -> int:
         """How many of the ``blocks`` least recently routed blocks of ``endpoint`` (``keep``
         aside: the request's own, which it touches) were named by two or more requests."""

@@ -279,6 +279,51 @@ def test_a_conversation_stays_where_it_is_and_a_new_one_goes_where_fewer_request
     assert best(scorer.score(new, pods)) == "idle"
 
 
+def test_a_hot_prefix_is_copied_off_holders_over_their_share_into_free_room() -> None:
+    """A copy of a prefix is an investment when its holders take more than their share: its
+    prefill is credited up to what the later requests sharing it would save (how many named it
+    × the holders' excess share × the delay of their own tokens), but only into free room."""
+    system = list(range(125))  # a 2,000-token system prompt: 125 blocks of 16 tokens
+    pods = [ep("holder", blocks=4000), ep("room", blocks=4000), ep("full", blocks=4000)]
+
+    def first_turn(conversation: int) -> LLMRequest:
+        req = prompt(2400, {"holder": 2000})
+        req.data[PREFIX_BLOCK_KEYS] = system + [10_000 * conversation + b for b in range(25)]
+        req.data[PREFIX_COMPUTED_TOKENS] = 2000
+        req.data[KV_CACHED_TOKENS] = {"holder": 30_000, "room": 30_000, "full": 63_984}
+        return req
+
+    fresh = make("prefill-cost-scorer")
+    terms = fresh.cost_terms(first_turn(0), pods)
+    assert all(t.replication == 0 for t in terms.values())  # no share is known: no excess
+    assert best(fresh.score(first_turn(0), pods)) == "holder"
+
+    scorer = make("prefill-cost-scorer")
+    for conversation in range(1, 201):  # three requests in five went to the holder
+        pod = ("holder", "holder", "holder", "room", "full")[conversation % 5]
+        keys = first_turn(conversation).data[PREFIX_BLOCK_KEYS]
+        scorer.sessions.observe(keys if pod == "holder" else [conversation], pod, pods=3)
+        if pod == "holder":
+            scorer.tail.observe("holder", keys, 3999)
+    excess = 3 * scorer.sessions.share("holder") - 1
+    assert 0.7 < excess < 0.8  # about 3 × 3/5 − 1, the shares still converging
+    terms = scorer.cost_terms(first_turn(0), pods)
+    # 120 requests named the prefix: worth 120 × excess × 400 tokens of delay, more than the
+    # copy's own prefill (2,000 tokens on an idle pod), so the copy is credited in full.
+    assert terms["room"].replication == pytest.approx(-2000)
+    assert terms["full"].replication == 0  # the copy would evict: it pays in full
+    assert terms["holder"].replication == 0
+    assert best(scorer.score(first_turn(0), pods)) == "room"
+    # A prefix one request named (a conversation's own history) is worth little to others.
+    ongoing = first_turn(0)
+    ongoing.data[PREFIX_BLOCK_KEYS] = [50_000 + b for b in range(150)]
+    scorer.tail.observe("holder", ongoing.data[PREFIX_BLOCK_KEYS][:125], 3999)
+    assert scorer.cost_terms(ongoing, pods)["room"].replication == pytest.approx(
+        -1 * excess * 1 * 400
+    )
+    assert best(scorer.score(ongoing, pods)) == "holder"
+
+
 def test_running_requests_hold_their_whole_prompts_shared_blocks_once() -> None:
     """A running request references every block of its prompt, cached or not, so a pod whose
     requests in flight hold most of its cache has no room for this one's prompt even where it
