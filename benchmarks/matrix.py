@@ -328,7 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for load in args.load_list
     ]
     reused = _reused(args)
-    baseline = load_results(args.compare)[1] if args.compare is not None else None
+    baseline = None
+    if args.compare is not None:
+        compared_duration, baseline = load_results(args.compare)
+        if compared_duration not in (None, args.duration):
+            raise SystemExit(
+                f"--compare {args.compare} was run with --duration {compared_duration:g}, not "
+                f"{args.duration:g}: its figures are not comparable"
+            )
     tasks = []
     results: list[CellResult] = []
     for cell in cells:
@@ -350,14 +357,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = max(1, min(args.jobs, len(tasks) or 1))
     order = {cell: i for i, cell in enumerate(cells)}
 
+    pending = {(cell, seed): names for cell, seed, _, _, names in tasks}
+
     def report(complete: bool) -> dict[str, Any]:
         results.sort(key=lambda r: (order[r.cell], r.seed))
+        done = {(r.cell, r.seed) for r in results}
+        # Cells still to replay keep what was reused for them, so a run stopped part-way loses
+        # nothing it was given; "pending" names what they still lack (`load_results` drops it).
+        waiting = [reused[key] for key in pending if key in reused and key not in done]
         return {
             "command": command_line("benchmarks.matrix", argv),
             "date": time.strftime("%Y-%m-%d"),
             "duration": args.duration,
             "complete": complete,
-            "cells": report_cells(results),
+            "pending": [
+                {**asdict(cell), "seed": seed, "policies": list(names)}
+                for (cell, seed), names in pending.items()
+                if (cell, seed) not in done
+            ],
+            "cells": report_cells([*results, *waiting]),
             "verdicts": [
                 {**asdict(v), "passed": v.passed, "hit_ok": v.hit_ok, "p90_ok": v.p90_ok}
                 for v in verdicts(results)

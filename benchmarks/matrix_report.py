@@ -173,16 +173,26 @@ def load_results(path: Path) -> tuple[float | None, list[CellResult]]:
     ``SystemExit`` naming it and what is wrong, not a traceback."""
     try:
         report = read_json(path)
-        results = [
-            CellResult(
-                Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"]),
-                entry["seed"],
-                entry["requests"],
-                entry["oracle_hit_rate"],
-                {name: PolicySummary(**s) for name, s in entry["policies"].items()},
+        # A report written part-way names, per cell, the policies still to replay: the numbers
+        # it holds for them are the reused report's, not this run's.
+        pending = {
+            (Cell(e["profile"], e["pods"], e["workload"], e["load"]), e["seed"]): set(e["policies"])
+            for e in report.get("pending", [])
+        }
+        results = []
+        for entry in report["cells"]:
+            cell = Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"])
+            stale = pending.get((cell, entry["seed"]), set())
+            policies = {
+                name: PolicySummary(**s)
+                for name, s in entry["policies"].items()
+                if name not in stale
+            }
+            results.append(
+                CellResult(
+                    cell, entry["seed"], entry["requests"], entry["oracle_hit_rate"], policies
+                )
             )
-            for entry in report["cells"]
-        ]
     except OSError as exc:
         raise SystemExit(f"cannot read the matrix report {path}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
@@ -200,6 +210,19 @@ def compare(before: Sequence[CellResult], after: Sequence[CellResult]) -> str:
     new = [v for v in verdicts(after) if v.cell in old]
     if not new:
         return "no cell of this run is in the compared report"
+
+    def basis(results: Sequence[CellResult]) -> dict[Cell, tuple[frozenset[int], frozenset[str]]]:
+        seeds: dict[Cell, set[int]] = {}
+        names: dict[Cell, set[str]] = {}
+        for r in results:
+            seeds.setdefault(r.cell, set()).add(r.seed)
+            names.setdefault(r.cell, set()).update(r.policies)
+        return {c: (frozenset(seeds[c]), frozenset(names[c])) for c in seeds}
+
+    # A verdict is against the best policy of its own report: two reports with other seeds or
+    # other policies judge a cell against different bests.
+    before_basis, after_basis = basis(before), basis(after)
+    unlike = {v.cell for v in new if before_basis[v.cell] != after_basis[v.cell]}
     header = (
         f"{'profile':<20}{'pods':>5} {'workload':<14}{'load':>5}{'hit before':>12}{'after':>8}"
         f"{'best':>8}{'p90 before':>12}{'after':>9}{'best':>9}  verdict"
@@ -217,7 +240,7 @@ def compare(before: Sequence[CellResult], after: Sequence[CellResult]) -> str:
             f"{c.profile:<20}{c.pods:>5} {c.workload:<14}{c.load:>5.1f}{o.default_hit:>12.1%}"
             f"{v.default_hit:>8.1%}{v.best_hit:>8.1%}{o.default_p90:>12.4f}{v.default_p90:>9.4f}"
             f"{v.best_p90:>9.4f}  {'yes' if o.passed else 'no'} -> {'yes' if v.passed else 'no'}"
-            f"{change}"
+            f"{change}{' *' if v.cell in unlike else ''}"
         )
     geo = math.exp(statistics.fmean(p90_logs)) if p90_logs else math.nan
     lines.append(
@@ -225,4 +248,8 @@ def compare(before: Sequence[CellResult], after: Sequence[CellResult]) -> str:
         f"cells pass; the default's hit rate {100 * statistics.fmean(hit_changes):+.2f} points on "
         f"the mean, its TTFT p90 × {geo:.4f} on the geometric mean"
     )
+    if unlike:
+        lines.append(
+            f"* {len(unlike)} cells were judged on other seeds or other policies in the two reports"
+        )
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,12 +25,13 @@ def write_json(path: Path | None, report: Any) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=2) + "\n"
-    if path.suffix == ".gz":
-        # mtime 0: the same report gives the same bytes, so a kept report changes in git only
-        # when its numbers do.
-        path.write_bytes(gzip.compress(text.encode(), mtime=0))
-    else:
-        path.write_text(text)
+    # mtime 0: the same report gives the same bytes, so a kept report changes in git only when
+    # its numbers do.
+    data = gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode()
+    # Whole or not at all: a run stopped while writing its report so far keeps the last one.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def read_json(path: Path) -> Any:

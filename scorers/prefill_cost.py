@@ -13,7 +13,7 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
              · ( (uncached_e − free_e)⁺ − min_f (new − free_f)⁺ + reused_e − min_f reused_f )
            + (uncomputedTokenWeight − 1) · uncached_e · (N · share_e − 1)⁺
            + (uncachedTokenWeight − uncomputedTokenWeight) · ρ · new · (fill_e − min fill)
-           − min( (1 + (uncomputedTokenWeight − 1) · busy_e) · copied_e,
+           − min( (1 + (uncomputedTokenWeight − 1) · busy_e) · fits_e,
                   (uncomputedTokenWeight − 1) · named · excess · (prompt − top) )
 
 * ``uncached_e``: prompt tokens ``e`` does not hold (the KV-event index, plus predicted
@@ -71,17 +71,21 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   and trace cells lost p90).  Left out while any candidate's capacity or index view is
   unknown.
 * The replication credit: a copy of a prefix is an investment when the pods holding it take
-  more than their share of the requests.  ``top``: the longest prefix any candidate holds;
-  ``copied_e``: the part of it ``e`` would copy into its free room (a copy that evicts pays in
-  full, as above); ``excess``: the least share excess among the pods holding ``top``
-  (``N · share − 1``; 0 or less, no credit); ``named``: how many requests routed to a holder
-  named the prefix's last block (`scorers.reuse_tail`), taken as the number still to come.
-  The credit is what those later requests would save by having somewhere else to go (each the
-  delay of its own tokens on an over-share pod), at most the copy's own prefill.  Without it
+  more than their share of the requests.  ``top``: the longest prefix any candidate holds
+  (predicted entries included, as everywhere here); ``fits_e``: the part of it ``e`` lacks
+  that fits in its free room (a copy that evicts pays in full, as above); ``excess``: the least
+  share excess among the pods holding ``top`` (``N · share − 1``; 0 or less, no credit);
+  ``named``: how many requests routed to a holder named the prefix's last block
+  (`scorers.reuse_tail`, as long as the block stays in its memory, not decayed), taken as the
+  number still to come.  The credit is what those later requests would save by having
+  somewhere else to go (each the delay of its own tokens on an over-share pod), at most the
+  copy's own prefill.  For a hot prefix ``named`` is large and the cap seldom binds: the copy
+  is credited its whole prefill as soon as its holders are over their share; the cap binds
+  for content few requests named, a conversation's own history.  Without it
   no single request pays for a copy: its prefill costs that request thousands of tokens, while
-  the balance it buys is spread over the requests after it.  Four system prompts on three A100
-  or H100 pods then stayed where the first conversations put them (2/1/1), and the pod with two
-  took 44 % of the requests (docs/routing-results.md, fifteenth session).  A conversation's own
+  the balance it buys is spread over the requests after it.  Four system prompts on three H100
+  pods then stayed where the first conversations put them (2/1/1), and the pod with two took
+  44 % of the requests (docs/routing-results.md, fifteenth session).  A conversation's own
   history, named by one request, earns one request's delay: it stays where it is.
 * No term places a new conversation by the turns it will bring.  One did (the cache its live
   conversations held on each pod, over its capacity, times the follow-ups learned from
@@ -347,7 +351,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             premium * reuse * new_tokens if len(known_fills) == len(fills) and new_tokens else 0.0
         )
         least_fill = min(known_fills, default=0.0)
-        top = max((cached.get(e.address, 0) for e in endpoints), default=0)
+        top = min(total, max((cached.get(e.address, 0) for e in endpoints), default=0))
         replication_value = self._replication_value(
             request, endpoints, keys, cached, top, shares, delay
         )
@@ -363,8 +367,8 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
             busy = min(1.0, load.in_flight_requests / mean_in_flight)
             queued = float(load.in_flight_prefill_tokens)
             prefill = (1.0 + delay * busy) * uncached
-            # The part of the prefix its holders hold that would be copied into free room.
-            copied = min(max(0, top - held), free[address])
+            # The part of the prefix its holders hold that e lacks and has free room for.
+            fits = min(max(0, top - held), free[address])
             running = per_request * load.in_flight_requests
             kv_wait = self._kv_wait(
                 endpoint, self._kv_need(endpoint, keys, total, uncached), footprint, rates
@@ -379,7 +383,7 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
                 kv_wait=kv_wait,
                 placement=spread * ((fills[address] or 0.0) - least_fill),
                 share=delay * uncached * max(0.0, len(endpoints) * shares[address] - 1.0),
-                replication=-min((1.0 + delay * busy) * copied, replication_value),
+                replication=-min((1.0 + delay * busy) * fits, replication_value),
             )
         return costs
 
@@ -398,13 +402,13 @@ class PrefillCostScorer(Plugin[PrefillCostParameters]):
         0 unless every pod holding it takes more than its share of the requests."""
         if not keys or top <= 0 or delay <= 0.0:
             return 0.0
-        holders = [e.address for e in endpoints if cached.get(e.address, 0) >= top]
-        excess = min(len(endpoints) * shares[a] - 1.0 for a in holders)
+        holders = [e for e in endpoints if cached.get(e.address, 0) >= top]
+        excess = min(len(endpoints) * shares[e.address] - 1.0 for e in holders)
         if excess <= 0.0:
             return 0.0
-        block = max(1, request.prompt_tokens // len(keys))
+        block = _block_tokens(holders[0], request.prompt_tokens, keys)
         last = keys[max(0, min(len(keys), top // block) - 1)]
-        named = max(self.tail.named(a, last) for a in holders)
+        named = max(self.tail.named(e.address, last) for e in holders)
         return named * excess * delay * max(0, request.prompt_tokens - top)
 
     def _reuse_damage(

@@ -4,6 +4,7 @@ reports kept gzipped and joined, and the before/after comparison of the default.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,39 @@ def test_reports_are_kept_gzipped_and_joined_by_reuse(tmp_path: Path) -> None:
         load_results(junk)
     with pytest.raises(SystemExit, match="cannot read the matrix report"):
         load_results(tmp_path / "missing.json.gz")
+
+
+def test_a_report_written_part_way_names_what_it_still_lacks(tmp_path: Path) -> None:
+    """A cell still to replay keeps what was reused for it, minus the policies it was to
+    replay: those numbers are the reused report's, not the run's, and are not read back."""
+    cell = Cell("tiny-cpu", 2, "no-reuse", 0.5)
+    partial = tmp_path / "partial.json.gz"
+    write_json(
+        partial,
+        {
+            "duration": 20.0,
+            "complete": False,
+            "pending": [{**asdict(cell), "seed": 0, "policies": ["default"]}],
+            "cells": report_cells(_results(cell, 0.5, 0.2)),
+        },
+    )
+    assert not list(tmp_path.glob("*.partial"))  # written whole, then renamed
+    _, results = load_results(partial)
+    assert set(results[0].policies) == {"sglang"}  # seed 0's default is still to replay
+    assert set(results[1].policies) == {"default", "sglang"}
+
+
+def test_compare_marks_cells_judged_against_other_policies_and_refuses_other_lengths(
+    tmp_path: Path,
+) -> None:
+    cell = Cell("tiny-cpu", 3, "multi-turn", 0.5)
+    alone = _results(cell, 0.70, 0.200)
+    for result in alone:
+        del result.policies["sglang"]
+    lines = compare(_results(cell, 0.70, 0.200), alone).splitlines()
+    assert lines[2].endswith("no -> yes FIXED *")  # passes only for want of another policy
+    assert lines[-1] == "* 1 cells were judged on other seeds or other policies in the two reports"
+    shorter = tmp_path / "shorter.json"
+    write_json(shorter, {"duration": 60.0, "cells": report_cells(alone)})
+    with pytest.raises(SystemExit, match="was run with --duration 60, not 240"):
+        matrix.main(["--compare", str(shorter), "--policies", "default"])

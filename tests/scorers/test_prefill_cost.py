@@ -15,6 +15,7 @@ from scorers.base import (
     PluginConfigError,
     Usage,
 )
+from scorers.prefill_cost import PrefillCostScorer
 from scorers.request_data import (
     KV_CACHED_TOKENS,
     PREFIX_BLOCK_KEYS,
@@ -322,6 +323,39 @@ def test_a_hot_prefix_is_copied_off_holders_over_their_share_into_free_room() ->
         -1 * excess * 1 * 400
     )
     assert best(scorer.score(ongoing, pods)) == "holder"
+
+
+def test_no_copy_is_credited_while_any_holder_is_within_its_share() -> None:
+    system = list(range(125))
+    pods = [ep("a", blocks=4000), ep("b", blocks=4000), ep("room", blocks=4000)]
+
+    def first_turn(holders: dict[str, int]) -> LLMRequest:
+        req = prompt(2400, holders)
+        req.data[PREFIX_BLOCK_KEYS] = system + list(range(10_000, 10_025))
+        req.data[PREFIX_COMPUTED_TOKENS] = 2000
+        req.data[KV_CACHED_TOKENS] = {"a": 30_000, "b": 30_000, "room": 30_000}
+        return req
+
+    def routed(pattern: tuple[str, ...]) -> PrefillCostScorer:
+        scorer = make("prefill-cost-scorer")
+        assert isinstance(scorer, PrefillCostScorer)
+        for i in range(300):  # every request named the system prompt
+            pod = pattern[i % len(pattern)]
+            scorer.sessions.observe([*system, i], pod, pods=3)
+            scorer.tail.observe(pod, [*system, i], 3999)
+        return scorer
+
+    # "a" holds the prompt but takes a third of the requests: within its share, no credit.
+    even = routed(("a", "b", "room"))
+    assert even.cost_terms(first_turn({"a": 2000}), pods)["room"].replication == 0
+    # "a" and "b" hold it; "a" is over its share, "b" is not: the prompt already has a home
+    # with room to spare, so a third copy earns nothing.
+    skewed = routed(("a", "a", "a", "b", "room", "room"))
+    assert 3 * skewed.sessions.share("a") - 1 > 0 > 3 * skewed.sessions.share("b") - 1
+    terms = skewed.cost_terms(first_turn({"a": 2000, "b": 2000}), pods)
+    assert terms["room"].replication == 0
+    # With "a" its only holder, the same fleet credits the copy.
+    assert skewed.cost_terms(first_turn({"a": 2000}), pods)["room"].replication < 0
 
 
 def test_running_requests_hold_their_whole_prompts_shared_blocks_once() -> None:
