@@ -84,8 +84,8 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   for content few requests named, a conversation's own history.  Without it
   no single request pays for a copy: its prefill costs that request thousands of tokens, while
   the balance it buys is spread over the requests after it.  Four system prompts on three H100
-  pods then stayed where the first conversations put them (2/1/1), and the pod with two took
-  44 % of the requests (docs/routing-results.md, fifteenth session).  A conversation's own
+  pods then stayed where the first conversations put them, and one pod took 44 % of the
+  requests (docs/routing-results.md, fifteenth session).  A conversation's own
   history, named by one request, earns one request's delay: it stays where it is.
 * No term places a new conversation by the turns it will bring.  One did (the cache its live
   conversations held on each pod, over its capacity, times the follow-ups learned from
