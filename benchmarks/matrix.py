@@ -304,12 +304,7 @@ def _reused(args: argparse.Namespace) -> dict[tuple[Cell, int], CellResult]:
     rerun = {n.strip() for n in args.rerun.split(",") if n.strip()}
     out: dict[tuple[Cell, int], CellResult] = {}
     for path in args.reuse:
-        duration, results = load_results(path)
-        if duration not in (None, args.duration):
-            raise SystemExit(
-                f"--reuse {path} was run with --duration {duration:g}, not {args.duration:g}"
-            )
-        for result in results:
+        for result in load_results(path, args.duration):
             result.policies = {n: s for n, s in result.policies.items() if n not in rerun}
             earlier = out.get((result.cell, result.seed))
             if earlier is not None:  # a later report's policies join (and replace) its own
@@ -328,14 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for load in args.load_list
     ]
     reused = _reused(args)
-    baseline = None
-    if args.compare is not None:
-        compared_duration, baseline = load_results(args.compare)
-        if compared_duration not in (None, args.duration):
-            raise SystemExit(
-                f"--compare {args.compare} was run with --duration {compared_duration:g}, not "
-                f"{args.duration:g}: its figures are not comparable"
-            )
+    baseline = load_results(args.compare, args.duration) if args.compare is not None else None
     tasks = []
     results: list[CellResult] = []
     for cell in cells:

@@ -167,21 +167,23 @@ def report_cells(results: Sequence[CellResult]) -> list[dict[str, Any]]:
     ]
 
 
-def load_results(path: Path) -> tuple[float | None, list[CellResult]]:
-    """An earlier ``--json`` report (``.json`` or ``.json.gz``): its arrival duration (None in
-    reports older than the field) and its results.  A file that is not such a report is a
-    ``SystemExit`` naming it and what is wrong, not a traceback."""
+def _cell(entry: dict[str, Any]) -> Cell:
+    return Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"])
+
+
+def load_results(path: Path, duration: float | None = None) -> list[CellResult]:
+    """The results of an earlier ``--json`` report (``.json`` or ``.json.gz``).  A file that is
+    not such a report, or (when ``duration`` is given) one run with other seconds of arrivals,
+    is a ``SystemExit`` naming it and what is wrong, not a traceback (reports older than the
+    duration field are taken as they are)."""
     try:
         report = read_json(path)
         # A report written part-way names, per cell, the policies still to replay: the numbers
         # it holds for them are the reused report's, not this run's.
-        pending = {
-            (Cell(e["profile"], e["pods"], e["workload"], e["load"]), e["seed"]): set(e["policies"])
-            for e in report.get("pending", [])
-        }
+        pending = {(_cell(e), e["seed"]): set(e["policies"]) for e in report.get("pending", [])}
         results = []
         for entry in report["cells"]:
-            cell = Cell(entry["profile"], entry["pods"], entry["workload"], entry["load"])
+            cell = _cell(entry)
             stale = pending.get((cell, entry["seed"]), set())
             policies = {
                 name: PolicySummary(**s)
@@ -199,7 +201,13 @@ def load_results(path: Path) -> tuple[float | None, list[CellResult]]:
         raise SystemExit(
             f"{path} is not a benchmarks.matrix --json report ({type(exc).__name__}: {exc})"
         ) from exc
-    return report.get("duration"), results
+    ran = report.get("duration")
+    if duration is not None and ran not in (None, duration):
+        raise SystemExit(
+            f"{path} was run with --duration {ran:g}, not {duration:g}: its figures are not "
+            "comparable"
+        )
+    return results
 
 
 def compare(before: Sequence[CellResult], after: Sequence[CellResult]) -> str:

@@ -184,7 +184,7 @@ def test_reports_are_kept_gzipped_and_joined_by_reuse(tmp_path: Path) -> None:
         del result.policies["sglang"]
     write_json(newer, {"duration": 20.0, "cells": report_cells(joined)})
     assert older.read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic
-    assert load_results(older) == (20.0, _results(a, 0.5, 0.2))
+    assert load_results(older, 20.0) == _results(a, 0.5, 0.2)  # the duration it was run with
     args = matrix.parse_args(
         ["--duration", "20", "--reuse", str(older), "--reuse", str(newer), "--rerun", ""]
     )
@@ -222,7 +222,7 @@ def test_a_report_written_part_way_names_what_it_still_lacks(tmp_path: Path) -> 
         },
     )
     assert not list(tmp_path.glob("*.partial"))  # written whole, then renamed
-    _, results = load_results(partial)
+    results = load_results(partial)
     assert set(results[0].policies) == {"sglang"}  # seed 0's default is still to replay
     assert set(results[1].policies) == {"default", "sglang"}
 
