@@ -16,7 +16,9 @@ from benchmarks.matrix_report import (
     CellResult,
     Verdict,
     compare,
+    format_verdicts,
     load_results,
+    markdown,
     report_cells,
     verdicts,
 )
@@ -82,6 +84,37 @@ def test_verdict_compares_the_default_with_the_best_policy_per_cell() -> None:
         Cell("tiny-cpu", 3, "no-reuse", 0.7), 0, 0, "random", 0.110, 0.110, "default", 0.1, 0
     )
     assert not no_reuse.no_reuse_ok  # 10 % behind least-loaded
+
+
+def test_a_failing_cell_names_the_policies_that_meet_its_bars() -> None:
+    cell = Cell("tiny-cpu", 3, "multi-turn", 0.9)
+
+    def run(policies: dict[str, tuple[float, float]]) -> list[CellResult]:
+        summaries = {n: _summary(n, hit, p90) for n, (hit, p90) in policies.items()}
+        return [CellResult(cell, 0, 100, 0.6, summaries)]
+
+    # The best hit rate is bought with a p90 twelve times the best: nobody meets both bars.
+    (tradeoff,) = verdicts(
+        run({"default": (0.51, 0.028), "sglang": (0.55, 0.35), "dynamo": (0.47, 0.027)})
+    )
+    assert not tradeoff.passed and tradeoff.others_passing == ()
+    assert tradeoff.attainable == "none"
+    # Here a weighted rule keeps 97 % of the hits at the best p90: the default could too.
+    (reachable,) = verdicts(
+        run(
+            {
+                "default": (0.51, 0.028),
+                "precise-weighted": (0.54, 0.0275),
+                "sglang": (0.55, 0.35),
+            }
+        )
+    )
+    assert not reachable.passed and reachable.others_passing == ("precise-weighted",)
+    report = format_verdicts([tradeoff])
+    assert "1 of the 1 failing cells are passed by no policy" in report
+    assert f"{cell.label}: none" in report
+    row = markdown([reachable]).splitlines()[-1]
+    assert row.endswith("| **no** | precise-weighted |")
 
 
 @pytest.mark.slow
