@@ -59,13 +59,16 @@ class Verdict:
     least_loaded_p90: float | None
     oracle: float
     others_passing: tuple[str, ...] = ()
-    """The other policies that meet the same bars in this cell.  None where the default fails
+    """The other policies that meet the same bars in this cell.  Empty where the default fails
     says that no known rule reaches both the best hit rate and the best p90 there: each best
     is another policy's, bought at the other's expense."""
 
-    def meets(self, hit: float, p90: float) -> bool:
-        """Whether a policy with this mean hit rate and TTFT p90 meets the cell's bars."""
-        return hit >= 0.97 * self.best_hit and p90 <= 1.03 * self.best_p90 and self._even(p90)
+    # The issue's bars, for any policy's mean hit rate and TTFT p90 in this cell.
+    def _hit_ok(self, hit: float) -> bool:
+        return hit >= 0.97 * self.best_hit
+
+    def _p90_ok(self, p90: float) -> bool:
+        return p90 <= 1.03 * self.best_p90
 
     def _even(self, p90: float) -> bool:
         # Where nothing is shared, within 3 % of least-loaded too.
@@ -73,13 +76,17 @@ class Verdict:
             return True
         return p90 <= 1.03 * self.least_loaded_p90
 
+    def meets(self, hit: float, p90: float) -> bool:
+        """Whether a policy with this mean hit rate and TTFT p90 meets the cell's bars."""
+        return self._hit_ok(hit) and self._p90_ok(p90) and self._even(p90)
+
     @property
     def hit_ok(self) -> bool:
-        return self.default_hit >= 0.97 * self.best_hit
+        return self._hit_ok(self.default_hit)
 
     @property
     def p90_ok(self) -> bool:
-        return self.default_p90 <= 1.03 * self.best_p90
+        return self._p90_ok(self.default_p90)
 
     @property
     def no_reuse_ok(self) -> bool:
