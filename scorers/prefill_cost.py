@@ -66,10 +66,13 @@ Per candidate ``e``, in tokens of prefill work (the currency of the prompt)::
   first lands places them all; on a fuller cache it evicts, and is evicted, sooner, as the
   eviction premium prices.  Placed by the load of the moment instead,
   the A100 shared-prefix matrix cell's 12 system prompts sat 3/4/5 per pod (requests
-  116/206/234), and the pod with five evicted more of their questions; with this term they sit
-  4/4/4.  Without ``ρ`` the term sent one-off prompts to empty pods over idle ones (no-reuse
-  and trace cells lost p90).  Left out while any candidate's capacity or index view is
-  unknown.
+  116/206/234), and the pod with five evicted more of their questions; with this term they sat
+  4/4/4 when it was written.  Under today's other terms they sit 3/5/4 again: the term is a few
+  hundred tokens where the load of the moment tells pods apart by thousands, and ρ is 0 until
+  reuse is seen.  Ranking the pods by fill fixes that cell and costs the trace's hit rate
+  (docs/routing-results.md, seventeenth session).  Without ``ρ`` the term sent one-off prompts
+  to empty pods over idle ones (no-reuse and trace cells lost p90).  Left out while any
+  candidate's capacity or index view is unknown.
 * The replication credit: a copy of a prefix is an investment when the pods holding it take
   more than their share of the requests.  ``top``: the longest prefix any candidate holds
   (predicted entries included, as everywhere here); ``fits_e``: the part of it ``e`` lacks
