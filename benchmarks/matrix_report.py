@@ -44,6 +44,11 @@ class CellResult:
 # ---------------------------------------------------------------------------------------------
 # Verdict
 
+# The issue's bars: at least this share of the best hit rate, at most this multiple of the best
+# TTFT p90 (and, where nothing is shared, of least-loaded's).
+HIT_BAR = 0.97
+P90_BAR = 1.03
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -63,18 +68,18 @@ class Verdict:
     says that no known rule reaches both the best hit rate and the best p90 there: each best
     is another policy's, bought at the other's expense."""
 
-    # The issue's bars, for any policy's mean hit rate and TTFT p90 in this cell.
+    # The bars for any policy's mean hit rate and TTFT p90 in this cell.
     def _hit_ok(self, hit: float) -> bool:
-        return hit >= 0.97 * self.best_hit
+        return hit >= HIT_BAR * self.best_hit
 
     def _p90_ok(self, p90: float) -> bool:
-        return p90 <= 1.03 * self.best_p90
+        return p90 <= P90_BAR * self.best_p90
 
     def _even(self, p90: float) -> bool:
         # Where nothing is shared, within 3 % of least-loaded too.
         if self.cell.workload != "no-reuse" or self.least_loaded_p90 is None:
             return True
-        return p90 <= 1.03 * self.least_loaded_p90
+        return p90 <= P90_BAR * self.least_loaded_p90
 
     def meets(self, hit: float, p90: float) -> bool:
         """Whether a policy with this mean hit rate and TTFT p90 meets the cell's bars."""
@@ -151,8 +156,8 @@ def format_verdicts(items: Sequence[Verdict]) -> str:
         )
     passed = sum(v.passed for v in items)
     lines.append(
-        f"{passed} of {len(items)} cells pass (H: hit rate < 97 % of the best, T: TTFT p90 > "
-        "1.03 × the best, L: no reuse, p90 > 1.03 × least-loaded)"
+        f"{passed} of {len(items)} cells pass (H: hit rate < {HIT_BAR * 100:g} % of the best, T: TTFT "
+        f"p90 > {P90_BAR:g} × the best, L: no reuse, p90 > {P90_BAR:g} × least-loaded)"
     )
     failed = [v for v in items if not v.passed]
     if failed:
